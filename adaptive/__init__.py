@@ -1,0 +1,1 @@
+"""Elastic, adaptive-batch-size training for PyTorch (filled in by the core)."""

@@ -1,0 +1,1 @@
+"""The cluster side: policy, simulator, supervisor and executor."""

@@ -1,0 +1,31 @@
+"""One distribution that installs the ``adaptive`` library and the ``scheduler`` package."""
+from setuptools import find_packages, setup
+
+setup(
+    name="adaptive-elastic",
+    version="0.1.0",
+    description="Elastic, adaptive-batch-size training for PyTorch under torchrun",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["adaptive", "adaptive.*", "scheduler", "scheduler.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "numpy>=1.24",
+        "portpicker>=1.5",
+        "psutil>=5.9",
+        "pyyaml>=6.0",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "report": ["matplotlib>=3.6"],
+        "tensorboard": ["tensorboard>=2.12"],
+        "examples": ["scikit-learn>=1.2"],
+    },
+    entry_points={
+        "console_scripts": [
+            "adaptive-run=adaptive.launcher:main",
+        ],
+    },
+)
