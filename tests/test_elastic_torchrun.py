@@ -1,0 +1,54 @@
+"""Real torchrun jobs on 127.0.0.1 (gloo) that are killed, stopped and rescaled."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import portpicker
+import pytest
+
+from elastic_harness import Jobs, assert_exact_counts, progress, tail, wait_exit, wait_for
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    harness = Jobs(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def test_sigkill_one_worker_rolls_back_and_finishes_exactly(jobs, tmp_path):
+    out = tmp_path / "crash"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2", "--max-restarts=3"], out, "job.log",
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0.3", WORKER_EPOCHS="3")
+    victim = wait_for(lambda: (p := progress(out, 1)) and p["epoch"] >= 1 and p["step"] % 25 > 5 and p,
+                      120, "rank 1 to reach the middle of epoch 1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_exit(proc, 240, out / "job.log") == 0, tail(out / "job.log")
+    log = (out / "job.log").read_text()
+    assert "resuming from checkpoint" in log
+    assert_exact_counts(out, 3, out / "job.log")
+
+
+def test_graceful_stop_then_relaunch_at_1_and_3_replicas_resumes_exactly(jobs, tmp_path):
+    out = tmp_path / "rescale"
+    stops = []
+    for nproc, stop_after in ((2, 8), (1, 8), (3, None)):
+        proc = jobs.launch(["--standalone", f"--nproc-per-node={nproc}"], out, f"job{nproc}.log",
+                           ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_EPOCHS="2")
+        if stop_after is None:
+            assert wait_exit(proc, 240, out / f"job{nproc}.log") == 0, tail(out / f"job{nproc}.log")
+            break
+        start = (progress(out, 0) or {}).get("step", 0)
+        wait_for(lambda: (p := progress(out, 0)) and p["world"] == nproc and p["step"] >= start + stop_after,
+                 120, f"{nproc} replicas to take {stop_after} steps")
+        os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler or Ctrl-C does to torchrun
+        wait_exit(proc, 60, out / f"job{nproc}.log")
+        stops.append(progress(out, 0)["step"])
+        assert "stopped gracefully" in (out / f"job{nproc}.log").read_text(), tail(out / f"job{nproc}.log")
+    assert_exact_counts(out, 2, out / "job3.log")
+    for name in ("job1.log", "job3.log"):
+        assert "resuming from checkpoint" in (out / name).read_text()

@@ -1,0 +1,94 @@
+"""A training script for the multi-process tests: it counts every sample it sees.
+
+Environment knobs (all optional):
+    WORKER_OUT          folder for progress and result files (required)
+    WORKER_SAMPLES      dataset size (default 600)
+    WORKER_BATCH        global batch size (default 24)
+    WORKER_EPOCHS       epochs to train (default 3)
+    WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
+
+Each rank rewrites ``progress.rank<R>.json`` after every step (pid, epoch,
+loader step, world size) so tests know when and whom to kill.  At the end of
+each epoch rank 0 appends the epoch's per-sample counts, summed over all
+replicas by an Accumulator, to ``epochs.jsonl``; at the end ``done.json``.
+"""
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+import adaptive
+
+OUT = os.environ["WORKER_OUT"]
+SAMPLES = int(os.environ.get("WORKER_SAMPLES", "600"))
+BATCH = int(os.environ.get("WORKER_BATCH", "24"))
+EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
+STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
+
+logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, index):
+        return torch.tensor([index / SAMPLES]), index
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def write_json(path, payload):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def main():
+    adaptive.init_process_group("gloo")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = adaptive.AdaptiveDataParallel(model, optimizer)
+    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7)
+    counts = adaptive.Accumulator()
+    for epoch in adaptive.remaining_epochs_until(EPOCHS):
+        for x, index in loader:
+            loss = (model(x) - x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            model.module.steps += 1
+            counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            write_json(os.path.join(OUT, f"progress.rank{rank}.json"),
+                       {"pid": os.getpid(), "epoch": epoch, "step": loader.step, "world": world})
+            time.sleep(STEP_SLEEP)
+        with counts.synchronized():
+            seen = counts["seen"]
+            if rank == 0:
+                record = {"epoch": epoch, "world": world, "missing": int((seen == 0).sum()),
+                          "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step,
+                          "model_steps": int(model.module.steps)}
+                with open(os.path.join(OUT, "epochs.jsonl"), "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            counts.clear()
+    if rank == 0:
+        write_json(os.path.join(OUT, "done.json"), {"step": loader.step, "model_steps": int(model.module.steps),
+                                                     "world": world})
+
+
+if __name__ == "__main__":
+    main()
