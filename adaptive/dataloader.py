@@ -243,8 +243,8 @@ class AdaptiveDataLoader:
             self._loops[key] += 1
             loop = self._loops[key]
             if self._state.finished.get(key, 0) >= loop:
-                logger.info("loader %s: loop %d of epoch %s already finished before the restart; skipping it",
-                            self.name, loop, key)
+                logger.log(_rank0_info(), "loader %s: loop %d of epoch %s already finished before the restart; "
+                           "skipping it", self.name, loop, key)
                 return
             self._enter_loop(key, loop)
             yield from self._steps(key)
@@ -254,8 +254,8 @@ class AdaptiveDataLoader:
         for old in [k for k in state.finished if k is not None and key is not None and k < key]:
             del state.finished[old]
         if (state.epoch, state.loop) == (key, loop) and state.index > 0:
-            logger.info("loader %s: resuming loop %d of epoch %s at sample %d of %d",
-                        self.name, loop, key, state.index, self.sampler.num_samples)
+            logger.log(_rank0_info(), "loader %s: resuming loop %d of epoch %s at sample %d of %d",
+                       self.name, loop, key, state.index, self.sampler.num_samples)
         else:
             state.epoch, state.loop, state.index = key, loop, 0
         self.sampler.set_epoch(0 if key is None else key)
@@ -301,6 +301,11 @@ class AdaptiveDataLoader:
     def _checkpoint_metadata(self) -> dict:
         return {"epoch": epoch.current_epoch(), "step": self._state.step, "loader": self.name,
                 "index": self._state.index, "batch_size": self._state.batch_size}
+
+
+def _rank0_info() -> int:
+    """INFO on rank 0, DEBUG elsewhere: one line per event, not one per replica."""
+    return logging.INFO if env.rank() == 0 else logging.DEBUG
 
 
 def _refuse_unsupported(kwargs: dict[str, Any]) -> None:

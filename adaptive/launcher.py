@@ -56,9 +56,15 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``adaptive-run`` and ``python -m adaptive.launcher``."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = build_args(sys.argv[1:] if argv is None else argv)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import run
 
-    run(args)
+    try:
+        run(args)
+    except SignalException as stop:
+        # torchrun forwarded the signal to the workers, which checkpointed and exited.
+        logger.warning("adaptive-run: stopped by %s; relaunch the same command to resume", stop.sigval.name)
+        raise SystemExit(128 + int(stop.sigval)) from None
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.scaler = scaler
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer,
                                                  lr_scheduler, scaler)
-        if checkpoint.load_state(self._state):
+        if checkpoint.load_state(self._state) and env.rank() == 0:
             logger.info("restored model, optimizer%s%s from the checkpoint",
                         ", LR scheduler" if lr_scheduler is not None else "",
                         ", grad scaler" if scaler is not None else "")

@@ -43,6 +43,7 @@ _STOP, _CHECKPOINT = 0, 1
 _stop_requested = False
 _stop_signal: int | None = None
 _handlers_installed = False
+_previous_handlers: dict[int, Any] = {}
 _pending: Any = None
 _started = time.monotonic()
 
@@ -64,8 +65,8 @@ def install_signal_handlers() -> None:
     global _handlers_installed
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        _previous_handlers[signum] = signal.signal(signum, _on_signal)
     _handlers_installed = True
 
 
@@ -139,7 +140,11 @@ def final_boundary(metadata: Callable[[], dict]) -> None:
 
 
 def _reset_for_tests() -> None:
-    global _stop_requested, _stop_signal, _pending, _started
+    global _stop_requested, _stop_signal, _pending, _started, _handlers_installed
+    if _handlers_installed and threading.current_thread() is threading.main_thread():
+        for signum, handler in _previous_handlers.items():
+            signal.signal(signum, handler)
+        _handlers_installed = False
     _stop_requested = False
     _stop_signal = None
     _pending = None

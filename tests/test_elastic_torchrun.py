@@ -52,3 +52,27 @@ def test_graceful_stop_then_relaunch_at_1_and_3_replicas_resumes_exactly(jobs, t
     assert_exact_counts(out, 2, out / "job3.log")
     for name in ("job1.log", "job3.log"):
         assert "resuming from checkpoint" in (out / name).read_text()
+
+
+def test_membership_change_with_c10d_agents_join_and_leave(jobs, tmp_path):
+    out = tmp_path / "membership"
+    port = portpicker.pick_unused_port()
+    common = ["--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=5", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=membership"]
+    knobs = dict(ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_EPOCHS="3", WORKER_STEP_SLEEP="0.1")
+    host = jobs.launch(common + ["--rdzv-conf=is_host=1"], out, "agent0.log", **knobs)  # hosts the store: stays
+    wait_for(lambda: (out / "agent0.log").exists(), 30, "the host agent to start")
+    guest = common + ["--rdzv-conf=is_host=0"]
+    leaver = jobs.launch(guest, out, "agent1.log", **knobs)
+    wait_for(lambda: (p := progress(out, 0)) and p["world"] == 2 and p["step"] >= 3, 120, "2 nodes training")
+    joiner = jobs.launch(guest, out, "agent2.log", **knobs)
+    wait_for(lambda: (p := progress(out, 2)) and p["world"] == 3, 120, "a third node to join")
+    steps_at_three = progress(out, 0)["step"]
+    os.killpg(leaver.pid, signal.SIGTERM)  # one node leaves
+    wait_exit(leaver, 60, out / "agent1.log")
+    wait_for(lambda: (p := progress(out, 0)) and p["world"] == 2 and p["step"] > steps_at_three + 2,
+             120, "training to continue on 2 nodes")
+    for proc, name in ((host, "agent0.log"), (joiner, "agent2.log")):
+        assert wait_exit(proc, 240, out / name) == 0, tail(out / name)
+    records = assert_exact_counts(out, 3, out / "agent0.log")
+    assert {record["world"] for record in records.values()} <= {2, 3}

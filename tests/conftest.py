@@ -1,0 +1,47 @@
+"""Shared fixtures: a fresh job (module state and environment) for in-process tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+             "ADAPTIVE_CHECKPOINT_PATH", "ADAPTIVE_SHARE_PATH", "ADAPTIVE_JOB_ID",
+             "ADAPTIVE_CHECKPOINT_INTERVAL", "ADAPTIVE_CHECKPOINT_KEEP", "ADAPTIVE_COLLECTIVE_TIMEOUT")
+
+
+def restart_process_state() -> None:
+    """Forget everything a job process holds in memory, as if the process restarted."""
+    from adaptive import accumulator, checkpoint, dataloader, epoch, sync_points
+
+    checkpoint._reset_for_tests()
+    epoch._reset_for_tests()
+    dataloader._reset_for_tests()
+    sync_points._reset_for_tests()
+    accumulator._instances = 0
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A single-replica job whose checkpoints go to tmp_path/checkpoints."""
+    for name in _JOB_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(tmp_path / "checkpoints"))
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "0")
+    restart_process_state()
+    yield tmp_path
+    restart_process_state()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_job_env(monkeypatch):
+    """In-process tests never inherit a torchrun environment from the shell."""
+    if os.environ.get("WORLD_SIZE") not in (None, "1"):
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("RANK", "0")
