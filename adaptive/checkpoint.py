@@ -120,7 +120,7 @@ def resumed_checkpoint() -> Checkpoint | None:
     chosen, error = collectives.broadcast_object((chosen, error))
     if error is not None:
         raise CheckpointError(error)
-    _resumed = None if chosen is None else _open(store, chosen)
+    _resumed = None if chosen is None else store.open(chosen)
     _resumed_looked_up = True
     if _resumed is not None and env.rank() == 0:
         meta = _resumed.info.metadata or {}
@@ -134,18 +134,6 @@ def resumed_checkpoint() -> Checkpoint | None:
             env.num_replicas(),
         )
     return _resumed
-
-
-def _open(store: CheckpointStore, seq: int) -> Checkpoint:
-    opener = getattr(store, "open", None)
-    if opener is not None:
-        return opener(seq)
-    latest = store.latest()
-    if latest is None or latest.info.seq != seq:
-        raise CheckpointError(f"rank 0 resumes from checkpoint {seq}, but this replica sees "
-                              f"{None if latest is None else latest.info.seq} in {store.root}; "
-                              "ADAPTIVE_CHECKPOINT_PATH must be the same shared directory on all nodes")
-    return latest
 
 
 def load_state(state: State) -> bool:

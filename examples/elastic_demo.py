@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from adaptive.process_tree import kill_process_tree
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "linear_regression.py")
 
@@ -38,7 +40,7 @@ def relay(proc: subprocess.Popen, stop_after_epoch: int | None, deadline: float)
             os.killpg(proc.pid, signal.SIGTERM)
             stop_after_epoch = None
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_process_tree(proc.pid)
             raise SystemExit("demo: the job took too long")
     return proc.wait()
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from adaptive.process_tree import kill_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "elastic_worker.py"
@@ -46,13 +47,10 @@ class Jobs:
         return proc
 
     def cleanup(self) -> None:
+        """SIGKILL every launcher started here and its workers (they run in sessions of their own)."""
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=30)
+            kill_process_tree(proc.pid)
+            proc.wait(timeout=30)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
