@@ -10,6 +10,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["adaptive", "adaptive.*", "scheduler", "scheduler.*"]),
     include_package_data=True,
+    package_data={"scheduler": ["data/pollux/README.md", "data/pollux/*/*.csv", "data/pollux/*/*/*.csv"]},
     install_requires=[
         "torch>=2.4,<2.15",
         "numpy>=1.24",
@@ -26,6 +27,7 @@ setup(
     entry_points={
         "console_scripts": [
             "adaptive-run=adaptive.launcher:main",
+            "adaptive=adaptive.cli:main",
         ],
     },
 )

@@ -4,17 +4,29 @@ The model, optimizer, LR scheduler and AMP grad scaler are checkpointed
 together with the loaders, epochs and accumulators, and restored when the
 wrapper is created after a restart (guarantee G3).  It accepts every
 argument ``DistributedDataParallel`` does.
+
+It also measures the gradient noise scale (``model.gns``, see
+:mod:`adaptive.gns`) and scales the learning rate at every optimizer step by
+a scaling rule (``model.scaling_rule``, see :mod:`adaptive.scaling_rules`),
+so that the loader can change the batch size while training.  When the
+loader runs gradient accumulation, the wrapper makes the ordinary loop do
+the right thing: on every micro-step but the last, the backward pass skips
+the all-reduce and ``optimizer.step()`` does nothing; ``zero_grad()`` acts
+only on the first micro-step of each optimizer step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from adaptive import checkpoint, collectives, env
+from adaptive import checkpoint, collectives, dataloader_context, env
+from adaptive.gns import GradientNoiseScale
+from adaptive.scaling_rules import ScalingRule, make_scaling_rule
 
 __all__ = ["AdaptiveDataParallel"]
 
@@ -25,15 +37,18 @@ class _AdaptiveDataParallelState(checkpoint.State):
     """Model, optimizer, LR scheduler and grad scaler, saved as one unit."""
 
     def __init__(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, scaler: Any) -> None:
+                 lr_scheduler: Any, scaler: Any, gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
         super().__init__(name)
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
+        self.gns = gns
+        self.scaling_rule = scaling_rule
 
     def state_dict(self) -> dict:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "gns": self.gns.state_dict(), "scaling_rule": self.scaling_rule.state_dict()}
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.scaler is not None:
@@ -43,7 +58,8 @@ class _AdaptiveDataParallelState(checkpoint.State):
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for key, target in (("lr_scheduler", self.lr_scheduler), ("scaler", self.scaler)):
+        for key, target in (("lr_scheduler", self.lr_scheduler), ("scaler", self.scaler), ("gns", self.gns),
+                            ("scaling_rule", self.scaling_rule)):
             if target is None:
                 continue
             if key not in state:
@@ -71,6 +87,11 @@ class AdaptiveDataParallel(DistributedDataParallel):
         optimizer: its optimizer.
         lr_scheduler: an LR scheduler stepping that optimizer, if any.
         scaler: a ``torch.amp.GradScaler``, if AMP is used.
+        scaling_rule: how the learning rate follows the batch size:
+            ``"adascale"``, ``"adamscale"`` (square-root AdaScale for Adam),
+            ``"linear"``, ``"sqrt"``, ``"legw"``, ``"none"``, or a
+            :class:`~adaptive.scaling_rules.ScalingRule`; default chosen from
+            the optimizer (AdamScale for Adam-type, AdaScale otherwise).
         name: checkpoint name; give distinct names when a job trains
             several models.
         **kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
@@ -78,7 +99,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any = None, scaler: Any = None, *, name: str = "model", **kwargs: Any) -> None:
+                 lr_scheduler: Any = None, scaler: Any = None, *, scaling_rule: Any = None,
+                 name: str = "model", **kwargs: Any) -> None:
         _check_optimizer(optimizer, module)
         if not collectives.is_initialized():
             if env.num_replicas() > 1:
@@ -88,9 +110,65 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
+        self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler)
+        self.gns.attach(self)
+        self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
+        self.scaling_rule.attach(optimizer, self.gns)
+        _skip_during_accumulation(optimizer, "step", _is_accumulation_step)
+        _skip_during_accumulation(optimizer, "zero_grad", _is_continuing_accumulation)
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer,
-                                                 lr_scheduler, scaler)
+                                                 lr_scheduler, scaler, self.gns, self.scaling_rule)
+        global _current_model
+        _current_model = self
         if checkpoint.load_state(self._state) and env.rank() == 0:
             logger.info("restored model, optimizer%s%s from the checkpoint",
                         ", LR scheduler" if lr_scheduler is not None else "",
                         ", grad scaler" if scaler is not None else "")
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Exactly what ``no_sync()`` does, decided per micro-step by the loader.
+        self.require_backward_grad_sync = not _is_accumulation_step()
+        return super().forward(*inputs, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients, except in the middle of an accumulation."""
+        if not _is_continuing_accumulation():
+            super().zero_grad(set_to_none=set_to_none)
+
+
+_current_model: AdaptiveDataParallel | None = None
+
+
+def current_model() -> AdaptiveDataParallel | None:
+    """The most recently created AdaptiveDataParallel (the loader reads its statistics)."""
+    return _current_model
+
+
+def _micro_step() -> tuple[int, int] | None:
+    loader = dataloader_context.current_dataloader()
+    return None if loader is None else loader.micro_step
+
+
+def _is_accumulation_step() -> bool:
+    """A micro-step that is not the last of its optimizer step."""
+    micro = _micro_step()
+    return micro is not None and micro[0] < micro[1] - 1
+
+
+def _is_continuing_accumulation() -> bool:
+    """A micro-step that is not the first of its optimizer step."""
+    micro = _micro_step()
+    return micro is not None and micro[0] > 0
+
+
+def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, skip: Callable[[], bool]) -> None:
+    """Make ``optimizer.<method>()`` a no-op while ``skip()`` holds."""
+    original = getattr(optimizer, method)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if skip():
+            return None
+        return original(*args, **kwargs)
+
+    setattr(optimizer, method, wrapper)

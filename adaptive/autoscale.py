@@ -1,0 +1,180 @@
+"""Choosing the local batch size and accumulation steps while training runs.
+
+The policy (Pollux): goodput = throughput x statistical efficiency.  The
+throughput model is fitted to the step times this job measured
+(:class:`~adaptive.goodput.ThroughputProfile`); the efficiency follows from
+the gradient noise scale measured by :class:`~adaptive.gns.GradientNoiseScale`.
+Every ``adapt_every`` optimizer steps rank 0 picks the configuration that
+maximises goodput within the user's bounds and broadcasts it; all replicas
+switch at the same step boundary, so the data stream (G2) continues at the
+same position.  A change is made only when it raises goodput by more than
+``hysteresis`` (default 5%), so the choice does not flap.  After a restart
+with a different number of replicas the decision is remade at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from adaptive import checkpoint, collectives, env
+from adaptive.goodput import GoodputFunction, PerfParams, ThroughputProfile
+
+__all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """The user's limits for the batch-size choice."""
+
+    init_batch_size: int
+    max_batch_size: int
+    local_bsz_bounds: tuple[int, int]
+    gradient_accumulation: bool = False
+    adapt_every: int = 20
+    hysteresis: float = 0.05
+
+    def __post_init__(self) -> None:
+        lo, hi = self.local_bsz_bounds
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"local_bsz_bounds must be two ints 1 <= lo <= hi, got {self.local_bsz_bounds!r}")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < self.init_batch_size:
+            raise ValueError(f"max_batch_size must be an int >= batch_size ({self.init_batch_size}), "
+                             f"got {self.max_batch_size!r}")
+        if not isinstance(self.adapt_every, int) or self.adapt_every < 1:
+            raise ValueError(f"adapt_every must be an int >= 1 (optimizer steps), got {self.adapt_every!r}")
+        if not (isinstance(self.hysteresis, (int, float)) and 0 <= self.hysteresis < 1):
+            raise ValueError(f"hysteresis must be a fraction in [0, 1), got {self.hysteresis!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A configuration and the goodput it is expected to reach."""
+
+    local_bsz: int
+    accum_steps: int
+    goodput: float
+    previous_goodput: float
+    reason: str
+
+
+class _AutoscaleState(checkpoint.State):
+    """The throughput profile and the current choice, checkpointed with the loader."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.profile = ThroughputProfile()
+        self.perf_params: PerfParams | None = None
+        self.local_bsz: int | None = None
+        self.accum_steps = 1
+        self.replicas: int | None = None
+
+    def state_dict(self) -> dict:
+        return {"profile": self.profile.state_dict(),
+                "perf_params": None if self.perf_params is None else self.perf_params.to_dict(),
+                "local_bsz": self.local_bsz, "accum_steps": self.accum_steps, "replicas": self.replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.profile.load_state_dict(state["profile"])
+        self.perf_params = None if state["perf_params"] is None else PerfParams.from_dict(state["perf_params"])
+        self.local_bsz = state["local_bsz"]
+        self.accum_steps = int(state["accum_steps"])
+        self.replicas = state["replicas"]
+
+
+class BatchSizeController:
+    """Keeps a loader's (local batch size, accumulation steps) at the goodput optimum."""
+
+    def __init__(self, name: str, config: AutoscaleConfig) -> None:
+        self.config = config
+        self._state = _AutoscaleState(f"adaptive.autoscale.{name}")
+        checkpoint.load_state(self._state)
+
+    @property
+    def profile(self) -> ThroughputProfile:
+        return self._state.profile
+
+    @property
+    def perf_params(self) -> PerfParams | None:
+        return self._state.perf_params
+
+    def current(self) -> tuple[int, int]:
+        """The configuration in force: (local batch size, accumulation steps)."""
+        if self._state.local_bsz is None or self._state.replicas != env.num_replicas():
+            self._state.local_bsz, self._state.accum_steps = self._initial_choice(env.num_replicas())
+        return self._state.local_bsz, self._state.accum_steps
+
+    def _initial_choice(self, replicas: int) -> tuple[int, int]:
+        """Close to the user's batch size, within the bounds."""
+        lo, hi = self.config.local_bsz_bounds
+        accum = 1
+        if self.config.gradient_accumulation:
+            accum = max(1, math.ceil(self.config.init_batch_size / (replicas * hi)))
+        local = math.ceil(self.config.init_batch_size / (replicas * accum))
+        return min(max(local, lo), hi), accum
+
+    def replicas_changed(self) -> bool:
+        """True on the first step after a restart with a different replica count."""
+        return self._state.replicas is not None and self._state.replicas != env.num_replicas()
+
+    def observe(self, local_bsz: int, accum_steps: int, step_time: float, compute_time: float | None,
+                data_time: float | None) -> None:
+        """Record one optimizer step's times (seconds)."""
+        if step_time <= 0 or not math.isfinite(step_time):
+            return
+        sync = 0.0 if env.num_replicas() == 1 else None
+        if env.num_replicas() == 1 and accum_steps == 1:
+            compute_time = step_time - (data_time or 0.0)
+        self.profile.record(env.num_nodes(), env.num_replicas(), local_bsz, accum_steps, step_time=step_time,
+                            compute_time=compute_time if compute_time and compute_time > 0 else None,
+                            sync_time=sync, data_time=data_time)
+
+    def goodput_function(self, grad_params: Any) -> GoodputFunction | None:
+        """The fitted goodput model, or None while it cannot be built yet."""
+        if grad_params is None:
+            return None
+        try:
+            fitted = self.profile.fit(initial=self._state.perf_params)
+        except (ValueError, FloatingPointError) as error:
+            logger.debug("throughput fit failed: %s", error)
+            return None
+        if fitted is None:
+            return None
+        self._state.perf_params = fitted
+        return GoodputFunction(self._state.perf_params, grad_params, self.config.init_batch_size)
+
+    def decide(self, grad_params: Any, force: bool = False) -> Decision | None:
+        """Agree on the configuration for the next steps; collective, call on every replica.
+
+        Rank 0 evaluates the model and broadcasts its choice; every replica
+        returns the same :class:`Decision`, or None when nothing changes.
+        """
+        decision = self._propose(grad_params, force) if env.rank() == 0 else None
+        decision = collectives.broadcast_object(decision)
+        self._state.replicas = env.num_replicas()
+        if decision is not None:
+            self._state.local_bsz, self._state.accum_steps = decision.local_bsz, decision.accum_steps
+        return decision
+
+    def _propose(self, grad_params: Any, force: bool) -> Decision | None:
+        function = self.goodput_function(grad_params)
+        if function is None:
+            return None
+        nodes, replicas = env.num_nodes(), env.num_replicas()
+        local, accum = self.current()
+        goodput, best_local, best_accum = function.optimize(
+            nodes, replicas, max_batch_size=self.config.max_batch_size,
+            local_bsz_bounds=self.config.local_bsz_bounds,
+            gradient_accumulation=self.config.gradient_accumulation)
+        goodput, best_local, best_accum = float(goodput), int(best_local), int(best_accum)
+        now = float(function.evaluate(nodes, replicas, local, accum))
+        if (best_local, best_accum) == (local, accum) or goodput <= 0:
+            return None
+        if not force and goodput <= now * (1 + self.config.hysteresis):
+            return None
+        reason = "replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
+        return Decision(best_local, best_accum, goodput, now, reason)
