@@ -93,6 +93,7 @@ class BatchSizeController:
         self.config = config
         self._state = _AutoscaleState(f"adaptive.autoscale.{name}")
         checkpoint.load_state(self._state)
+        self._warm: tuple[int, int, int] | None = None
 
     @property
     def profile(self) -> ThroughputProfile:
@@ -123,8 +124,17 @@ class BatchSizeController:
 
     def observe(self, local_bsz: int, accum_steps: int, step_time: float, compute_time: float | None,
                 data_time: float | None) -> None:
-        """Record one optimizer step's times (seconds)."""
+        """Record one optimizer step's times (seconds).
+
+        The first step after a change of configuration is not recorded: it
+        pays one-off costs (DDP rebuilding its buckets, the loader's
+        pipeline refilling) that say nothing about the steady state.
+        """
         if step_time <= 0 or not math.isfinite(step_time):
+            return
+        config = (env.num_replicas(), local_bsz, accum_steps)
+        if config != self._warm:
+            self._warm = config
             return
         sync = 0.0 if env.num_replicas() == 1 else None
         if env.num_replicas() == 1 and accum_steps == 1:
@@ -136,6 +146,7 @@ class BatchSizeController:
     def goodput_function(self, grad_params: Any) -> GoodputFunction | None:
         """The fitted goodput model, or None while it cannot be built yet."""
         if grad_params is None:
+            logger.debug("no gradient statistics yet; keeping the batch size")
             return None
         try:
             fitted = self.profile.fit(initial=self._state.perf_params)
@@ -155,6 +166,11 @@ class BatchSizeController:
         """
         decision = self._propose(grad_params, force) if env.rank() == 0 else None
         decision = collectives.broadcast_object(decision)
+        if force and env.rank() == 0:
+            local, accum = self.current()
+            logger.info("replica count changed from %s to %d: batch size re-decided: %s", self._state.replicas,
+                        env.num_replicas(), "keeping local %d x %d steps" % (local, accum) if decision is None
+                        else "local %d x %d steps" % (decision.local_bsz, decision.accum_steps))
         self._state.replicas = env.num_replicas()
         if decision is not None:
             self._state.local_bsz, self._state.accum_steps = decision.local_bsz, decision.accum_steps
@@ -172,9 +188,31 @@ class BatchSizeController:
             gradient_accumulation=self.config.gradient_accumulation)
         goodput, best_local, best_accum = float(goodput), int(best_local), int(best_accum)
         now = float(function.evaluate(nodes, replicas, local, accum))
-        if (best_local, best_accum) == (local, accum) or goodput <= 0:
-            return None
-        if not force and goodput <= now * (1 + self.config.hysteresis):
-            return None
-        reason = "replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
+        logger.debug("goodput now %.1f at local %d x %d; best %.1f at local %d x %d", now, local, accum,
+                     goodput, best_local, best_accum)
+        if (best_local, best_accum) == (local, accum) or goodput <= 0 or \
+                (not force and goodput <= now * (1 + self.config.hysteresis)):
+            return self._explore(function, local, accum, now)
+        reason = "the replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
         return Decision(best_local, best_accum, goodput, now, reason)
+
+    def _explore(self, function: GoodputFunction, local: int, accum: int, now: float) -> Decision | None:
+        """Try a larger local batch once, while only one size was ever measured on this placement.
+
+        With a single local batch size the throughput model cannot tell fixed
+        costs from per-sample costs, and its cautious prior would keep the
+        batch where it started.  One measured step at twice the size settles
+        it, and costs little when the model expects no more than a 10% loss.
+        """
+        nodes, replicas = env.num_nodes(), env.num_replicas()
+        arrays = self.profile.to_arrays()
+        here = (arrays["num_nodes"] == nodes) & (arrays["num_replicas"] == replicas)
+        if len(set(arrays["local_bsz"][here].tolist())) > 1:
+            return None
+        larger = min(2 * local, self.config.local_bsz_bounds[1])
+        if larger == local or larger * accum * replicas > self.config.max_batch_size:
+            return None
+        expected = float(function.evaluate(nodes, replicas, larger, accum))
+        if expected < 0.9 * now:
+            return None
+        return Decision(larger, accum, expected, now, "exploring: measuring the throughput of a larger batch")

@@ -18,8 +18,9 @@ Variables of our own:
     Directory for files the job shares between replicas and restarts (metrics,
     hints).  Default ``./.adaptive/<job id>/share``.
 ``ADAPTIVE_JOB_ID``
-    Name of the job.  Default: torchrun's ``--rdzv-id`` when set, else the
-    training script's file name without extension.
+    Name of the job.  Default: the training script's file name without
+    extension (not torchrun's run id: ``--standalone`` makes a new random one
+    on every launch, and "run the same command again" must resume).
 ``ADAPTIVE_CHECKPOINT_INTERVAL``
     Seconds between periodic checkpoints (fractions allowed, 0 disables).
 ``ADAPTIVE_CHECKPOINT_KEEP``
@@ -143,13 +144,8 @@ def _script_name() -> str:
 
 
 def job_id() -> str:
-    """Name of the job: ``ADAPTIVE_JOB_ID``, torchrun's run id, or the script name."""
-    explicit = os.environ.get("ADAPTIVE_JOB_ID")
-    if explicit:
-        name = explicit
-    else:
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        name = run_id if run_id and run_id != "none" else _script_name()
+    """Name of the job: ``ADAPTIVE_JOB_ID``, else the training script's name."""
+    name = os.environ.get("ADAPTIVE_JOB_ID") or _script_name()
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 

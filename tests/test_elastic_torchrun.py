@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -76,3 +77,32 @@ def test_membership_change_with_c10d_agents_join_and_leave(jobs, tmp_path):
         assert wait_exit(proc, 240, out / name) == 0, tail(out / name)
     records = assert_exact_counts(out, 3, out / "agent0.log")
     assert {record["world"] for record in records.values()} <= {2, 3}
+
+
+def _batches(out):
+    return [json.loads(line) for line in (out / "batches.jsonl").read_text().splitlines()]
+
+
+def test_autoscale_changes_batch_mid_epoch_and_redecides_after_rescale(jobs, tmp_path):
+    out = tmp_path / "autoscale"
+    knobs = dict(ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_EPOCHS="3", WORKER_SAMPLES="1200", WORKER_BATCH="16",
+                 WORKER_AUTOSCALE="256,4,64,1,3", WORKER_STEP_SLEEP="0.02")
+    for nproc, stop_at_epoch in ((2, 1), (1, 2), (3, None)):
+        proc = jobs.launch(["--standalone", f"--nproc-per-node={nproc}"], out, f"job{nproc}.log", **knobs)
+        log = out / f"job{nproc}.log"
+        if stop_at_epoch is None:
+            assert wait_exit(proc, 240, log) == 0, tail(log)
+            break
+        wait_for(lambda: (p := progress(out, 0)) and p["world"] == nproc and p["epoch"] >= stop_at_epoch
+                 and p["step"] > 0, 180, f"epoch {stop_at_epoch} on {nproc} replicas")
+        os.killpg(proc.pid, signal.SIGTERM)
+        wait_exit(proc, 60, log)
+    assert_exact_counts(out, 3, out / "job3.log")
+    batches = _batches(out)
+    sizes_by_epoch = {e: {b["batch_size"] for b in batches if b["epoch"] == e and b["world"] == 2} for e in (0, 1)}
+    assert any(len(sizes) > 1 for sizes in sizes_by_epoch.values()), \
+        f"the batch size never changed within an epoch on 2 replicas: {sizes_by_epoch}"
+    for name, replicas in (("job1.log", 1), ("job3.log", 3)):
+        text = (out / name).read_text()
+        assert f"replica count changed from 2 to {replicas}" in text or \
+               f"replica count changed from 1 to {replicas}" in text, tail(out / name)

@@ -6,6 +6,7 @@ Environment knobs (all optional):
     WORKER_BATCH        global batch size (default 24)
     WORKER_EPOCHS       epochs to train (default 3)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
+    WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
 
 Each rank rewrites ``progress.rank<R>.json`` after every step (pid, epoch,
 loader step, world size) so tests know when and whom to kill.  At the end of
@@ -15,6 +16,7 @@ replicas by an Accumulator, to ``epochs.jsonl``; at the end ``done.json``.
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -28,6 +30,7 @@ SAMPLES = int(os.environ.get("WORKER_SAMPLES", "600"))
 BATCH = int(os.environ.get("WORKER_BATCH", "24"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
+AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
 
 logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
 
@@ -37,7 +40,9 @@ class IndexDataset(torch.utils.data.Dataset):
         return SAMPLES
 
     def __getitem__(self, index):
-        return torch.tensor([index / SAMPLES]), index
+        x = index / SAMPLES
+        noise = math.sin(index * 12.9898) * 43758.5453 % 1.0 - 0.5  # fixed per sample
+        return torch.tensor([x]), torch.tensor([2 * x + noise]), index
 
 
 class Model(torch.nn.Module):
@@ -64,17 +69,27 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7)
+    if AUTOSCALE:
+        max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
+        loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
+                                    adapt_every=every)
     counts = adaptive.Accumulator()
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
-        for x, index in loader:
-            loss = (model(x) - x).pow(2).mean()
+        for x, y, index in loader:
+            loss = (model(x) - y).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            model.module.steps += 1
+            if not loader.is_accumulation_step():
+                model.module.steps += 1
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
-            write_json(os.path.join(OUT, f"progress.rank{rank}.json"),
-                       {"pid": os.getpid(), "epoch": epoch, "step": loader.step, "world": world})
+            if not loader.is_accumulation_step():
+                write_json(os.path.join(OUT, f"progress.rank{rank}.json"),
+                           {"pid": os.getpid(), "epoch": epoch, "step": loader.step, "world": world})
+                if rank == 0:
+                    with open(os.path.join(OUT, "batches.jsonl"), "a") as f:
+                        f.write(json.dumps({"epoch": epoch, "step": loader.step, "world": world,
+                                            "batch_size": loader.batch_size}) + "\n")
             time.sleep(STEP_SLEEP)
         with counts.synchronized():
             seen = counts["seen"]
