@@ -1,0 +1,61 @@
+"""The launcher's torchrun defaults, and the autoscale controller's choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaptive import launcher
+from adaptive.autoscale import AutoscaleConfig, BatchSizeController
+from adaptive.goodput import GradParams, PerfParams
+
+
+def test_launcher_adds_rendezvous_defaults_and_user_values_win():
+    args = launcher.build_args(["--standalone", "--nproc-per-node=2", "--rdzv-conf", "last_call_timeout=9",
+                                "train.py", "--lr", "1"])
+    conf = dict(item.split("=") for item in args.rdzv_conf.split(","))
+    assert conf == {"last_call_timeout": "9", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "1"]
+
+
+def test_launcher_rejects_malformed_rdzv_conf():
+    with pytest.raises(SystemExit, match="key=value"):
+        launcher.build_args(["--rdzv-conf", "oops", "train.py"])
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(local_bsz_bounds=(0, 8)), "local_bsz_bounds"),
+    (dict(local_bsz_bounds=(9, 8)), "local_bsz_bounds"),
+    (dict(max_batch_size=8), "max_batch_size"),
+    (dict(adapt_every=0), "adapt_every"),
+    (dict(hysteresis=1.5), "hysteresis"),
+])
+def test_autoscale_config_names_the_bad_argument(kwargs, error):
+    base = dict(init_batch_size=32, max_batch_size=1024, local_bsz_bounds=(8, 256))
+    with pytest.raises(ValueError, match=error):
+        AutoscaleConfig(**{**base, **kwargs})
+
+
+def _controller(job, accumulation: bool) -> BatchSizeController:
+    config = AutoscaleConfig(32, 4096, (16, 256), accumulation, adapt_every=1, hysteresis=0.0)
+    controller = BatchSizeController("test", config)
+    perf = PerfParams(alpha_c=0.01, beta_c=0.001, alpha_n=0.0, beta_n=0.0, alpha_r=0.0, beta_r=0.0, gamma=1.0)
+    for local in (32, 64):  # measured at two sizes: no exploration needed
+        for _ in range(3):
+            controller.observe(local, 1, step_time=0.01 + 0.001 * local, compute_time=None, data_time=0.0)
+    controller._state.perf_params = perf
+    return controller
+
+
+def test_controller_moves_to_the_goodput_optimum(job):
+    controller = _controller(job, accumulation=False)
+    grad = GradParams(sqr=1.0, var=200.0)  # a large noise scale favours big batches
+    decision = controller.decide(grad)
+    assert decision is not None and decision.local_bsz > 32 and decision.goodput > decision.previous_goodput
+    assert controller.current() == (decision.local_bsz, 1)
+    assert controller.decide(grad) is None  # already at the optimum: no flapping
+
+
+def test_controller_keeps_small_batches_when_noise_is_small(job):
+    controller = _controller(job, accumulation=False)
+    decision = controller.decide(GradParams(sqr=1.0, var=0.01))
+    assert decision is None or decision.local_bsz <= 32
