@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Any
 
-from adaptive import collectives, env
+from adaptive import collectives, env, metrics
 from adaptive.checkpoint_store import Checkpoint, CheckpointError, CheckpointStore
 
 __all__ = [
@@ -122,6 +122,10 @@ def resumed_checkpoint() -> Checkpoint | None:
         raise CheckpointError(error)
     _resumed = None if chosen is None else store.open(chosen)
     _resumed_looked_up = True
+    meta = {} if _resumed is None else dict(_resumed.info.metadata or {})
+    metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
+                                  resumed=chosen, epoch=meta.get("epoch"), step=meta.get("step"),
+                                  replicas_before=meta.get("replicas"))
     if _resumed is not None and env.rank() == 0:
         meta = _resumed.info.metadata or {}
         logger.info(
@@ -170,13 +174,11 @@ def save_all_states(metadata: dict[str, Any] | None = None) -> None:
         info.setdefault("nodes", env.num_nodes())
         start = time.monotonic()
         saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
-        logger.info(
-            "checkpoint %d saved (%s, %.1f MB in %.2f s)",
-            saved.seq,
-            info.get("reason", "requested"),
-            saved.size / 1e6,
-            time.monotonic() - start,
-        )
+        seconds = time.monotonic() - start
+        logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s)", saved.seq, info.get("reason", "requested"),
+                    saved.size / 1e6, seconds)
+        metrics.MetricsWriter().event("checkpoint", seq=saved.seq, bytes=saved.size, seconds=seconds,
+                                      reason=info.get("reason"), step=info.get("step"), epoch=info.get("epoch"))
     _last_save_time = time.monotonic()
 
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 #: Step-record fields that are numbers worth plotting.
 SCALARS = ("batch_size", "local_bsz", "accum_steps", "replicas", "noise_scale", "gain", "lr_factor",
-           "progress", "samples_per_sec", "goodput")
+           "progress", "samples_per_sec", "goodput", "tokens_per_sec", "step_lr_factor", "padding_efficiency")
 
 
 def metrics_path() -> str:

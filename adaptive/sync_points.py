@@ -98,7 +98,7 @@ def _act(agreed: list[float], metadata: Callable[[], dict]) -> None:
     if agreed[_STOP] > 0:
         info = dict(metadata(), reason="stop")
         checkpoint.save_all_states(info)
-        logger.info("stopped gracefully at epoch %s, step %s; exiting with %d",
+        logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG, "stopped gracefully at epoch %s, step %s; exiting with %d",
                     info.get("epoch"), info.get("step"), GRACEFUL_EXIT_CODE)
         raise SystemExit(GRACEFUL_EXIT_CODE)
     if agreed[_CHECKPOINT] > 0:

@@ -1,0 +1,249 @@
+"""``adaptive report``: splitting a metrics file into processes, the summary, the CLI and the PNG.
+
+The last test trains a tiny model for real, stops it gracefully mid-run,
+resumes it in a new process, and renders the report of that run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptive import cli, report
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def step(time_, pid, step_, **fields):
+    record = {"time": time_, "pid": pid, "step": step_, "epoch": 0, "replicas": 1, "nodes": 1, "batch_size": 32,
+              "local_bsz": 32, "accum_steps": 1, "samples_per_sec": 100.0, "noise_scale": 50.0, "gain": 1.0,
+              "lr_factor": 1.0, "progress": float(step_), "goodput": 100.0}
+    record.update(fields)
+    return record
+
+
+def write_metrics(folder: Path, records: list[dict], garbage: bool = False) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "metrics.jsonl"
+    lines = [json.dumps(record) for record in records]
+    if garbage:
+        lines.insert(1, '{"time": 1.0, "pid": 1, "ste')  # a line cut by a crash
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, "not a PNG file"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# ---------------------------------------------------------------------- splitting and summary
+
+
+def test_restarts_are_new_pids_and_time_lost_is_the_gap_between_processes(tmp_path):
+    records = [step(100.0, 11, 10), step(101.0, 11, 20), step(105.0, 22, 21, replicas=2, batch_size=64),
+               step(106.0, 22, 30, replicas=2, batch_size=64),
+               {"time": 106.5, "pid": 22, "event": "batch_size", "step": 31, "before": 64, "after": 128}]
+    write_metrics(tmp_path / "share", records, garbage=True)
+    run = report.load_run(str(tmp_path))  # the folder above share/ works
+    summary = report.summarize(run)
+    assert [p.pid for p in run.processes] == [11, 22]
+    assert summary.restarts == 1
+    assert summary.time_lost == pytest.approx(4.0)
+    assert summary.wall_time == pytest.approx(6.5)
+    assert [(c.step, c.before, c.after) for c in summary.replica_changes] == [(21, 1, 2)]
+    assert (summary.initial_batch_size, summary.final_batch_size) == (32, 128)
+    assert summary.batch_size_decisions == 1
+    assert summary.step_records == 4
+
+
+def test_a_start_event_begins_a_new_process_even_with_a_reused_pid(tmp_path):
+    records = [{"time": 1.0, "pid": 7, "event": "start", "replicas": 2}, step(2.0, 7, 10, replicas=2),
+               step(3.0, 7, 20, replicas=2), {"time": 9.0, "pid": 7, "event": "start", "replicas": 4},
+               step(10.0, 7, 21, replicas=4)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    assert summary.restarts == 1
+    assert summary.time_lost == pytest.approx(6.0)
+    # the change is seen at the start event, before the first step record of the new process
+    assert [(c.time, c.before, c.after) for c in summary.replica_changes] == [(9.0, 2, 4)]
+
+
+def test_goodput_gain_is_mean_goodput_over_the_first_records_at_the_initial_batch_size(tmp_path):
+    records = [step(1.0, 1, 10, goodput=None), step(2.0, 1, 20, goodput=100.0), step(3.0, 1, 30, goodput=110.0),
+               step(4.0, 1, 40, goodput=120.0), step(5.0, 1, 50, goodput=400.0, batch_size=128),
+               step(6.0, 1, 60, goodput=400.0, batch_size=128)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    assert summary.baseline_goodput == pytest.approx(110.0)
+    assert summary.mean_goodput == pytest.approx(226.0)
+    assert summary.goodput_gain == pytest.approx(226.0 / 110.0)
+    assert "gain x2.05" in report.format_summary(summary)
+
+
+def test_without_goodput_the_gain_is_not_invented(tmp_path):
+    records = [step(1.0, 1, 10, goodput=None), step(2.0, 1, 20, goodput=None)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    assert summary.goodput_gain is None
+    assert "goodput: not measured" in report.format_summary(summary)
+
+
+def test_records_of_other_loaders_are_left_out(tmp_path):
+    train = [step(float(i), 1, i * 10, loader="0") for i in range(1, 6)]
+    validation = [step(2.5, 1, 10, loader="1", batch_size=512), step(4.5, 1, 20, loader="1", batch_size=512)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, sorted(
+        train + validation, key=lambda r: r["time"])))))
+    assert summary.loader == "0"
+    assert summary.step_records == 5
+    assert summary.final_batch_size == 32
+
+
+def test_missing_run_dir_and_missing_metrics_say_where_to_look(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        report.find_metrics_file(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="ADAPTIVE_SHARE_PATH"):
+        report.find_metrics_file(str(tmp_path))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.floats(0.0, 50.0), st.integers(1, 3)), min_size=1, max_size=6))
+def test_restart_count_and_time_lost_for_any_sequence_of_processes(spans):
+    """Each tuple is one process: (records, gap in seconds before it, replicas)."""
+    records, now, expected_lost, pid = [], 1000.0, 0.0, 100
+    for index, (count, gap, replicas) in enumerate(spans):
+        if index:
+            now += gap
+            expected_lost += gap
+        pid += 1
+        for k in range(count):
+            records.append(step(now, pid, len(records) + 1, replicas=replicas))
+            if k < count - 1:
+                now += 1.0
+    run = report.Run(path="m.jsonl", processes=tuple(report._split_processes(records, [])))
+    summary = report.summarize(run)
+    assert summary.restarts == len(spans) - 1
+    assert summary.time_lost == pytest.approx(expected_lost)
+    changes = sum(1 for a, b in zip(spans, spans[1:]) if a[2] != b[2])
+    assert len(summary.replica_changes) == changes
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def test_cli_without_matplotlib_prints_the_summary_and_says_what_to_install(tmp_path, monkeypatch, capsys):
+    write_metrics(tmp_path, [step(1.0, 1, 10), step(2.0, 1, 20)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    status = cli.main(["report", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_MISSING_DEPENDENCY
+    assert "restarts: 0" in out
+    assert 'pip install "adaptive-elastic[report]"' in err
+    assert not (tmp_path / "report.png").exists()
+
+
+def test_cli_reports_a_missing_metrics_file_without_a_traceback(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_json_summary(tmp_path, capsys):
+    write_metrics(tmp_path, [step(1.0, 1, 10), step(5.0, 2, 11)])
+    assert cli.main(["report", str(tmp_path), "--json", "--no-png"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["restarts"] == 1 and summary["time_lost"] == pytest.approx(4.0)
+
+
+def test_python_dash_m_adaptive_runs_the_same_command(tmp_path):
+    write_metrics(tmp_path, [step(1.0, 1, 10)])
+    result = subprocess.run([sys.executable, "-m", "adaptive", "report", str(tmp_path), "--no-png"],
+                            capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert result.returncode == 0, result.stderr
+    assert "restarts: 0" in result.stdout
+
+
+# ---------------------------------------------------------------------- a real run
+
+TINY_JOB = textwrap.dedent("""
+    import os
+    import torch
+    import adaptive
+
+    torch.manual_seed(0)
+    features = torch.randn(256, 8)
+    dataset = torch.utils.data.TensorDataset(features, features.sum(dim=1, keepdim=True))
+    adaptive.init_process_group("gloo")
+    net = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.02)
+    model = adaptive.AdaptiveDataParallel(net, optimizer)
+    loader = adaptive.AdaptiveDataLoader(dataset, batch_size=16, shuffle=True)
+    loader.autoscale_batch_size(64, local_bsz_bounds=(8, 64), adapt_every=5)
+    stop_at = int(os.environ.get("STOP_AT_STEP", "0"))
+    for epoch in adaptive.remaining_epochs_until(3):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if stop_at and loader.step >= stop_at:
+                adaptive.request_stop()  # what SIGTERM does: checkpoint at an agreed step, exit 143
+""")
+
+
+def run_job(script: Path, folder: Path, **extra: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                       ADAPTIVE_CHECKPOINT_PATH=str(folder / "checkpoints"), ADAPTIVE_SHARE_PATH=str(folder / "share"),
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", ADAPTIVE_METRICS_INTERVAL="1", OMP_NUM_THREADS="1", **extra)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "ADAPTIVE_JOB_ID"):
+        environment.pop(name, None)
+    return subprocess.run([sys.executable, str(script)], env=environment, cwd=str(folder), capture_output=True,
+                          text=True, timeout=180)
+
+
+@pytest.mark.distributed
+def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason='the PNG needs the report extra: pip install "adaptive-elastic[report]"')
+    script = tmp_path / "tiny_job.py"
+    script.write_text(TINY_JOB)
+    first = run_job(script, tmp_path, STOP_AT_STEP="20")
+    assert first.returncode == 143, first.stderr[-3000:]
+    pause = 1.0
+    time.sleep(pause)
+    second = run_job(script, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    output = tmp_path / "out" / "report.png"
+    assert cli.main(["report", str(tmp_path / "share"), "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "restarts: 1" in printed and str(output) in printed
+    width, height = png_size(output)
+    assert (width, height) == (1400, 1600)
+    assert output.stat().st_size > 30_000  # five rows of drawn panels, not an empty canvas
+
+    run = report.load_run(str(tmp_path / "share"))
+    summary = report.summarize(run)
+    lines = [json.loads(line) for line in (tmp_path / "share" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "event" not in r]
+    assert summary.restarts == 1 and len({r["pid"] for r in lines}) == 2
+    assert summary.step_records == len(steps)
+    before, after = run.processes
+    assert before.last_step < after.first_step, "a graceful stop loses no steps and repeats none"
+    assert after.start_time - before.end_time >= pause
+    assert summary.time_lost == pytest.approx(after.start_time - before.end_time)
+    assert summary.initial_batch_size == 16
+    last_size = [r.get("after", r.get("batch_size")) for r in lines if r.get("event") in (None, "batch_size")][-1]
+    assert summary.final_batch_size == last_size
+    assert summary.batch_size_decisions == sum(1 for r in lines if r.get("event") == "batch_size")
+    assert summary.goodput_gain is not None and summary.goodput_gain > 0
