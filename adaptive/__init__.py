@@ -22,7 +22,9 @@ from adaptive.collectives import CollectiveError, init_process_group
 from adaptive.dataloader import AdaptiveDataLoader
 from adaptive.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptive.parallel import AdaptiveDataParallel
+from adaptive.rampup import ConstantSchedule, LinearRampup, StagedSchedule
 from adaptive.sync_points import request_stop
+from adaptive.token_batching import OversizeSampleError
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,10 @@ __all__ = [
     "AdaptiveDataParallel",
     "CheckpointError",
     "CollectiveError",
+    "ConstantSchedule",
+    "LinearRampup",
+    "OversizeSampleError",
+    "StagedSchedule",
     "State",
     "current_epoch",
     "finished_epochs",

@@ -202,7 +202,8 @@ class BatchSizeController:
         With a single local batch size the throughput model cannot tell fixed
         costs from per-sample costs, and its cautious prior would keep the
         batch where it started.  One measured step at twice the size settles
-        it, and costs little when the model expects no more than a 10% loss.
+        it.  The fitted model is least trustworthy exactly here, so the try
+        is skipped only when it predicts losing more than half the goodput.
         """
         nodes, replicas = env.num_nodes(), env.num_replicas()
         arrays = self.profile.to_arrays()
@@ -213,6 +214,6 @@ class BatchSizeController:
         if larger == local or larger * accum * replicas > self.config.max_batch_size:
             return None
         expected = float(function.evaluate(nodes, replicas, larger, accum))
-        if expected < 0.9 * now:
+        if expected < 0.5 * now:
             return None
         return Decision(larger, accum, expected, now, "exploring: measuring the throughput of a larger batch")

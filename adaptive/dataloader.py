@@ -1,10 +1,36 @@
 """AdaptiveDataLoader: a DataLoader whose position survives restarts and rescales.
 
 It walks one seeded global permutation per epoch (guarantee G2, see
-:mod:`adaptive.sampler`), takes the next global batch at each step and gives
-each replica its share.  Its position is checkpointed with everything else,
-so after any restart or change of replica count the stream continues at the
+:mod:`adaptive.sampler`), cuts it into optimizer steps and gives each
+replica its share.  Its position is checkpointed with everything else, so
+after any restart or change of replica count the stream continues at the
 same sample.
+
+How the stream becomes steps is a batching strategy
+(:mod:`adaptive.step_plan`):
+
+* sample batches (:mod:`adaptive.sample_loader`): ``batch_size`` global
+  samples per step, split evenly across replicas;
+* token budgets (:mod:`adaptive.token_loader`), with ``max_tokens=`` and
+  ``lengths=``: every replica's micro-batch holds at most ``max_tokens``
+  padded tokens, samples of similar length are grouped, and all replicas
+  take the same number of steps and micro-steps.
+
+The global batch may follow a ramp-up schedule in consumed samples or
+tokens (``batch_size_schedule=``, see :mod:`adaptive.rampup`), and with
+:meth:`AdaptiveDataLoader.autoscale_batch_size` the loader chooses the
+micro-batch size and the number of gradient-accumulation steps that
+maximise goodput (see :mod:`adaptive.autoscale`), also in the middle of an
+epoch; a schedule then caps autoscale's choice.  An optimizer step may be
+made of several micro-batches; the loop stays the ordinary ``zero_grad();
+backward(); step()`` loop (see :mod:`adaptive.parallel`).
+
+Exact gradients for uneven steps: multiply each micro-batch's *summed* loss
+(over its real tokens, or its samples) by :attr:`AdaptiveDataLoader.loss_weight`
+and the step's gradient is the mean over all real tokens (samples) of the
+whole step, across replicas and micro-steps, as one process would compute
+it.  The learning rate follows the actual size of each step
+(``lr_scaling``, see :mod:`adaptive.step_lr`).
 
 Loops of a loader are numbered within each epoch (the training loop is
 loop 1, a second pass over the same loader would be loop 2).  After a
@@ -12,18 +38,13 @@ restart, loops that already finished in the current epoch are skipped (they
 yield nothing) and the interrupted loop resumes mid-way (guarantee G5).
 Leaving a loop with ``break`` counts as finishing it; every replica must
 break at the same step.
-
-With :meth:`AdaptiveDataLoader.autoscale_batch_size` the loader chooses the
-local batch size and the number of gradient-accumulation steps that
-maximise goodput (see :mod:`adaptive.autoscale`), and may change them every
-few steps, also in the middle of an epoch.  An optimizer step is then made
-of ``accumulation_steps`` micro-batches; the loop stays the ordinary
-``zero_grad(); backward(); step()`` loop (see :mod:`adaptive.parallel`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import logging
 import time
 from typing import Any, Iterator
@@ -32,7 +53,13 @@ import torch.utils.data
 
 from adaptive import checkpoint, dataloader_context, env, epoch, metrics, parallel, sync_points
 from adaptive.autoscale import AutoscaleConfig, BatchSizeController, Decision
+from adaptive.rampup import BatchSizeSchedule, ConstantSchedule, describe, make_schedule
+from adaptive.sample_loader import SampleBatching
 from adaptive.sampler import ElasticSampler
+from adaptive.step_lr import LR_SCALING, resolve_lr_scaling
+from adaptive.step_plan import Batching, PlannedStep, StepShape, StepSizer, loss_weight
+from adaptive.token_batching import AVERAGE_BY, DEFAULT_WINDOW_SIZE, ON_OVERSIZE, step_lr_factor
+from adaptive.token_loader import TokenBatching, check_lengths
 
 __all__ = ["AdaptiveDataLoader"]
 
@@ -56,16 +83,18 @@ _PASSTHROUGH = (
 
 
 class _AdaptiveDataLoaderState(checkpoint.State):
-    """Where a loader is: the loop in progress, samples consumed, finished loops."""
+    """Where a loader is: the loop in progress, its position, samples (tokens) consumed, finished loops."""
 
     def __init__(self, name: str, batch_size: int) -> None:
         super().__init__(name)
         self.epoch: int | None = None  # epoch of the loop in progress (None: outside epochs)
         self.loop = 0  # which loop of this loader in that epoch (1-based; 0: none yet)
-        self.index = 0  # global samples consumed by that loop
+        self.index = 0  # global samples consumed (or skipped) by that loop
         self.finished: dict[int | None, int] = {}  # epoch -> last finished loop
         self.step = 0  # steps taken over the whole job
-        self.batch_size = batch_size  # global batch size of the next step
+        self.batch_size = batch_size  # reference size: the global batch the LR was tuned for
+        self.consumed = 0  # samples (tokens with a budget) trained over the whole job: drives ramp-up
+        self.plan: dict | None = None  # token budgets: the TokenPlanState of the loop in progress
 
     def state_dict(self) -> dict:
         return {
@@ -75,6 +104,8 @@ class _AdaptiveDataLoaderState(checkpoint.State):
             "finished": [[key, value] for key, value in self.finished.items()],
             "step": self.step,
             "batch_size": self.batch_size,
+            "consumed": self.consumed,
+            "plan": self.plan,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -84,34 +115,32 @@ class _AdaptiveDataLoaderState(checkpoint.State):
         self.finished = {key: int(value) for key, value in state["finished"]}
         self.step = int(state["step"])
         self.batch_size = int(state["batch_size"])
+        self.consumed = int(state.get("consumed", 0))
+        self.plan = state.get("plan")
 
 
 class _LocalBatches(torch.utils.data.Sampler):
-    """This replica's index lists, from a start position at a fixed batch size.
+    """This replica's index lists, read from the current plan.
 
-    Serves as the ``batch_sampler`` of the inner DataLoader; the outer loader
-    re-points it (and restarts the inner iterator) whenever the position
-    jumps or the batch size changes.
+    Serves as the ``batch_sampler`` of the inner DataLoader (iterated in the
+    main process, possibly ahead of training when workers prefetch); the
+    outer loader re-points it whenever the plan restarts.
     """
 
-    def __init__(self, sampler: ElasticSampler) -> None:
-        self.sampler = sampler
-        self.start = 0
-        self.batch_size = 1
-        self.num_replicas = 1
-        self.rank = 0
+    def __init__(self) -> None:
+        self.source: Iterator[list[int]] = iter(())
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = self.start
-        while True:
-            size = self.sampler.step_size(start, self.batch_size)
-            if size == 0:
-                return
-            yield self.sampler.local_indices(start, self.batch_size, self.num_replicas, self.rank).tolist()
-            start += size
+        return self.source
 
-    def __len__(self) -> int:
-        return self.sampler.num_steps(self.start, self.batch_size)
+
+@dataclasses.dataclass
+class _Plan:
+    """A running plan: the steps for the outer loop and the batches fetched for them."""
+
+    key: Any
+    steps: Iterator[PlannedStep]
+    batches: Iterator[Any]
 
 
 class _StepTiming:
@@ -150,15 +179,43 @@ class _StepTiming:
         self._recent.append(now - start)
         return now - start, (sum(compute) / len(compute) if compute else None), data
 
-    def samples_per_sec(self, batch_size: int) -> float | None:
+    def per_sec(self, size: float) -> float | None:
+        """``size`` per second at the recent step rate."""
         if not self._recent:
             return None
-        return batch_size / (sum(self._recent) / len(self._recent))
+        return size / (sum(self._recent) / len(self._recent))
+
+
+class _IntervalStats:
+    """Sizes of the steps since the last metrics record (cheap sums)."""
+
+    def __init__(self) -> None:
+        self.steps = self.samples = self.tokens = self.padded = 0
+
+    def add(self, step: PlannedStep) -> None:
+        self.steps += 1
+        self.samples += step.num_samples
+        self.tokens += step.num_tokens or 0
+        self.padded += step.padded_tokens or 0
+
+    def fields(self) -> dict[str, Any]:
+        if not self.steps:
+            return {}
+        out: dict[str, Any] = {"samples_per_step": self.samples / self.steps}
+        if self.padded:
+            out.update(tokens_per_step=self.tokens / self.steps, padding_efficiency=self.tokens / self.padded)
+        return out
 
 
 def _check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
     return value
 
 
@@ -168,13 +225,39 @@ class AdaptiveDataLoader:
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
         batch_size: the *global* batch size, summed over all replicas; each
-            replica gets an even share.
+            replica gets an even share (default 1).  With ``max_tokens`` it
+            is in tokens: each step holds at most this many padded tokens
+            whatever the replica count (default: no global size, each
+            replica runs ``accumulation_steps`` micro-batches per step).
+            With ``batch_size_schedule`` it is only the reference size the
+            learning rate was tuned for (default: the schedule's final size).
         shuffle: visit the samples in a seeded random order each epoch.
         seed: seed of the shuffling; the order depends only on (seed, epoch).
         drop_last: drop the final step of an epoch if it is smaller than
             ``batch_size`` (otherwise it is kept; if fewer samples remain
             than replicas, fewer than ``replicas`` samples are repeated).
+            Sample batches only.
         name: checkpoint name; default the creation order ("0", "1", ...).
+        max_tokens: turn on token-budget batches: the most padded tokens
+            (longest sample x samples) one replica's micro-batch may hold.
+        lengths: with ``max_tokens``, the token count of every sample: a
+            list/array indexed by sample index, or a function index -> length.
+        accumulation_steps: with ``max_tokens`` and no global ``batch_size``,
+            micro-batches per replica per optimizer step.
+        window_size: with ``max_tokens``, stream positions sorted by length
+            together (more: less padding); fixed for the whole job.
+        on_oversize: with ``max_tokens``, what to do with a sample longer
+            than the budget: ``"error"`` or ``"skip"`` (logged, counted).
+        average_by: what :attr:`loss_weight` averages the step's gradient
+            over: ``"tokens"`` (default with ``max_tokens``) or ``"samples"``.
+        lr_scaling: how the LR follows each step's actual size relative to
+            the size its shape stands for: ``"linear"``, ``"sqrt"``,
+            ``"none"`` or ``"auto"`` (the family of the model's scaling
+            rule); see :mod:`adaptive.step_lr`.
+        batch_size_schedule: a ramp-up of the global batch in consumed
+            samples (tokens with ``max_tokens``): ``"0:64 200K:128 1M:256"``,
+            a :class:`~adaptive.rampup.BatchSizeSchedule` such as
+            :class:`~adaptive.rampup.LinearRampup`, or its ``to_config()``.
         **kwargs: the usual DataLoader arguments (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``timeout``, ``worker_init_fn``,
             ``multiprocessing_context``, ``prefetch_factor``,
@@ -186,26 +269,27 @@ class AdaptiveDataLoader:
     def __init__(
         self,
         dataset: torch.utils.data.Dataset,
-        batch_size: int = 1,
+        batch_size: int | None = None,
         shuffle: bool = False,
         *,
         seed: int = 0,
         drop_last: bool = False,
         name: str | None = None,
+        max_tokens: int | None = None,
+        lengths: Any = None,
+        accumulation_steps: int = 1,
+        window_size: int = DEFAULT_WINDOW_SIZE,
+        on_oversize: str = "error",
+        average_by: str | None = None,
+        lr_scaling: str = "auto",
+        batch_size_schedule: Any = None,
         **kwargs: Any,
     ) -> None:
         global _instances
         _refuse_unsupported(kwargs)
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise TypeError("AdaptiveDataLoader needs a map-style dataset (with __len__ and __getitem__), "
-                            "not an IterableDataset")
-        try:
-            length = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"dataset must define __len__; got {type(dataset).__name__}") from None
-        if length == 0:
-            raise ValueError("dataset is empty: AdaptiveDataLoader needs at least one sample")
-        _check_positive_int("batch_size", batch_size)
+        length = _dataset_length(dataset)
+        if batch_size is not None:
+            _check_positive_int("batch_size", batch_size)
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
         if dataloader_context.current_dataloader() is not None:
@@ -213,23 +297,72 @@ class AdaptiveDataLoader:
                                "create loaders before the loops")
         self.dataset = dataset
         self.sampler = ElasticSampler(length, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self._batches = _LocalBatches(self.sampler)
-        self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches, **kwargs)
         if name is None:
             name = str(_instances)
         _instances += 1
         self.name = name
+        self._lr_scaling = _check_choice("lr_scaling", lr_scaling, LR_SCALING)
+        unit = "samples" if max_tokens is None else "tokens"
+        self._schedule = None if batch_size_schedule is None else _unit_schedule(batch_size_schedule, unit)
+        if max_tokens is None:
+            _refuse_token_options(lengths, accumulation_steps, window_size, on_oversize, average_by)
+            self._batching: Batching = SampleBatching(self.sampler, name)
+            self._average_by = "samples"
+        else:
+            _check_token_options(drop_last, accumulation_steps, batch_size is not None or self._schedule is not None)
+            self._batching = TokenBatching(self.sampler, check_lengths(lengths, length), max_tokens,
+                                           window_size=window_size, seed=seed,
+                                           on_oversize=_check_choice("on_oversize", on_oversize, ON_OVERSIZE),
+                                           name=name)
+            self._average_by = _check_choice("average_by", average_by or "tokens", AVERAGE_BY)
+        self._accumulation_steps = accumulation_steps
+        self._global_tokens = max_tokens is not None and batch_size is not None and self._schedule is None
+        reference = self._default_reference(batch_size)
+        self._batches = _LocalBatches()
+        self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches, **kwargs)
         self._loops: collections.Counter = collections.Counter()
-        self._init_batch_size = batch_size
         self._controller: BatchSizeController | None = None
         self._micro: tuple[int, int] | None = None
+        self._step_now: PlannedStep | None = None
+        self._weights: list[float] = []
+        self._lr_factor = 1.0
+        self._last_step: tuple[int, int] | None = None  # (micro size, micro-steps) of the last step taken
+        self._interval = _IntervalStats()
         self._timing = _StepTiming()
         self._metrics = metrics.MetricsWriter()
-        self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", batch_size)
-        if checkpoint.load_state(self._state) and self._state.batch_size != batch_size:
-            logger.info("loader %s: continuing with the checkpointed batch size %d (batch_size=%d given)",
-                        name, self._state.batch_size, batch_size)
+        self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", reference)
+        if checkpoint.load_state(self._state) and self._state.batch_size != reference:
+            logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
+                        "batch size" if self._schedule is None else "reference batch size",
+                        self._state.batch_size, reference)
+        self._init_batch_size = self._state.batch_size
+        self._sizer = self._make_sizer()
+        if self._schedule is not None and env.rank() == 0:
+            logger.info("loader %s: %s", name, describe(self._schedule))
         sync_points.install_signal_handlers()
+
+    def _default_reference(self, batch_size: int | None) -> int:
+        """The reference size (what the LR was tuned for) when no checkpoint says otherwise."""
+        if batch_size is not None:
+            return batch_size
+        if self._schedule is not None:
+            return self._schedule.final_batch_size
+        if isinstance(self._batching, TokenBatching):  # the planned step of the first launch
+            return self._batching.max_tokens * self._accumulation_steps * env.num_replicas()
+        return 1
+
+    def _make_sizer(self) -> StepSizer:
+        batching = self._batching
+        if isinstance(batching, TokenBatching):
+            floor = batching.longest_sample() or batching.max_tokens
+            schedule = self._schedule
+            if self._global_tokens:
+                schedule = ConstantSchedule(self._state.batch_size, "tokens")
+            native = StepShape(batching.max_tokens, self._accumulation_steps)
+            return StepSizer("tokens", schedule, lambda replicas: native, max_micro=batching.max_tokens,
+                             min_micro=lambda replicas: floor)
+        return StepSizer("samples", self._schedule, lambda replicas: StepShape(self._state.batch_size, 1),
+                         min_micro=lambda replicas: replicas)
 
     @classmethod
     def from_dataloader(cls, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
@@ -271,10 +404,19 @@ class AdaptiveDataLoader:
                              hysteresis: float = 0.05) -> None:
         """Let the loader choose the batch size that trains fastest, while training.
 
+        With ``max_tokens`` every size is in tokens: the goodput model
+        chooses the token budget of a micro-batch (within
+        ``local_bsz_bounds``, at most ``max_tokens``) and the micro-steps.
+        With a ``batch_size_schedule`` the schedule caps the global batch:
+        autoscale may choose any size up to the scheduled one, never more.
+
         Args:
-            max_batch_size: the largest global batch size allowed (>= batch_size).
+            max_batch_size: the largest global batch size allowed (>= the
+                reference ``batch_size``).
             local_bsz_bounds: (lo, hi) per-replica micro-batch sizes that fit
-                in memory and keep the device busy; default (1, max_batch_size).
+                in memory and keep the device busy; default (1, max_batch_size),
+                with ``max_tokens`` (longest sample, max_tokens) ((max_tokens,
+                max_tokens) when ``lengths`` is a function).
             gradient_accumulation: allow several micro-batches per optimizer
                 step, to reach large global batches with few replicas.
             adapt_every: optimizer steps between decisions.
@@ -282,36 +424,71 @@ class AdaptiveDataLoader:
         """
         if dataloader_context.current_dataloader() is self:
             raise RuntimeError("call autoscale_batch_size before iterating the loader")
-        bounds = (1, max_batch_size) if local_bsz_bounds is None else tuple(local_bsz_bounds)
+        bounds = self._autoscale_bounds(max_batch_size, local_bsz_bounds)
         config = AutoscaleConfig(self._init_batch_size, max_batch_size, bounds, bool(gradient_accumulation),
                                  adapt_every, hysteresis)
         if self._controller is None:
             self._controller = BatchSizeController(self.name, config)
         else:
             self._controller.config = config
+        self._sizer.autoscale = self._controller.current
+        self._sizer.schedule = self._schedule  # only an explicit schedule caps autoscale
+
+    def _autoscale_bounds(self, max_batch_size: int, bounds: tuple[int, int] | None) -> tuple[int, int]:
+        batching = self._batching
+        if not isinstance(batching, TokenBatching):
+            return (1, max_batch_size) if bounds is None else tuple(bounds)  # type: ignore[return-value]
+        longest = batching.longest_sample()
+        if bounds is None:  # lengths given as a function: the longest sample is unknown, keep the budget
+            return (longest or batching.max_tokens, batching.max_tokens)
+        lo, hi = tuple(bounds)
+        if isinstance(hi, int) and hi > batching.max_tokens:
+            raise ValueError(f"local_bsz_bounds[1]={hi} exceeds max_tokens={batching.max_tokens}: with token "
+                             "budgets the bounds are tokens per micro-batch and max_tokens is the memory limit")
+        if (isinstance(lo, int) and longest is not None and lo < longest and batching.on_oversize == "error"):
+            raise ValueError(f"local_bsz_bounds[0]={lo} is below the longest sample ({longest} tokens): a smaller "
+                             "budget would make it oversize; raise the lower bound or use on_oversize='skip'")
+        return lo, hi
 
     # ------------------------------------------------------------------ properties
 
+    def _next_shape(self) -> StepShape:
+        return self._sizer.shape(self._state.consumed, env.num_replicas())
+
+    @property
+    def unit(self) -> str:
+        """``"samples"``, or ``"tokens"`` with a token budget: the unit of batch sizes and ``consumed``."""
+        return self._batching.unit
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The largest padded-token budget of a micro-batch (None for sample batches)."""
+        return self._batching.max_tokens if isinstance(self._batching, TokenBatching) else None
+
     @property
     def batch_size(self) -> int:
-        """The global batch size of the next optimizer step (summed over replicas and micro-steps)."""
-        if self._controller is None:
-            return self._state.batch_size
-        local, accum = self._controller.current()
-        return local * accum * env.num_replicas()
+        """The global batch size of the next optimizer step (summed over replicas and micro-steps).
+
+        In tokens with a token budget (the padded tokens the step may hold).
+        """
+        shape = self._next_shape()
+        return self._sizer.planned_size(shape, env.num_replicas(), shape.accum)
 
     @property
     def current_local_bsz(self) -> int:
-        """This replica's micro-batch size in the next full step."""
+        """This replica's micro-batch size in the next full step (a token budget with ``max_tokens``)."""
+        shape = self._next_shape()
+        if self._sizer.per_replica:
+            return shape.micro
         if self._controller is not None:
             return self._controller.current()[0]
-        total, replicas = self._state.batch_size, env.num_replicas()
-        return total // replicas + (env.rank() < total % replicas)
+        replicas = env.num_replicas()
+        return shape.micro // replicas + (env.rank() < shape.micro % replicas)
 
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
-        return 1 if self._controller is None else self._controller.current()[1]
+        return self._next_shape().accum
 
     @property
     def micro_step(self) -> tuple[int, int] | None:
@@ -326,6 +503,45 @@ class AdaptiveDataLoader:
         return self._micro is not None and self._micro[0] < self._micro[1] - 1
 
     @property
+    def current_step(self) -> PlannedStep | None:
+        """The optimizer step being trained on (sizes, padding, this replica's indices), or None."""
+        return self._step_now
+
+    @property
+    def loss_weight(self) -> float:
+        """Factor for the current micro-batch's *summed* loss (sum over its real tokens, or samples).
+
+        ``(loss_sum * loader.loss_weight).backward()`` on every micro-batch
+        makes the optimizer step's gradient the mean over all real tokens
+        (``average_by="tokens"``) or samples of the whole step, across
+        replicas and micro-steps: the single-process gradient of the same
+        samples.  0 on padding micro-batches (``is_padding``).
+        """
+        if self._micro is None:
+            raise RuntimeError("loss_weight is defined inside the loader loop only (for the current micro-batch)")
+        return self._weights[self._micro[0]]
+
+    @property
+    def is_padding(self) -> bool:
+        """True if the current micro-batch only repeats samples to keep replicas in lock-step."""
+        return self._step_now is not None and self._micro is not None and self._step_now.padding[self._micro[0]]
+
+    @property
+    def lr_factor(self) -> float:
+        """LR factor of the current step for its actual size (``lr_scaling``); 1 outside the loop."""
+        return self._lr_factor if self._step_now is not None else 1.0
+
+    @property
+    def consumed(self) -> int:
+        """Samples (tokens with a budget) trained by this loader over the whole job; drives ramp-up."""
+        return self._state.consumed
+
+    @property
+    def schedule(self) -> BatchSizeSchedule | None:
+        """The ramp-up schedule of the global batch, if any."""
+        return self._schedule
+
+    @property
     def step(self) -> int:
         """Optimizer steps this loader has taken over the whole job, restarts included."""
         return self._state.step
@@ -335,11 +551,11 @@ class AdaptiveDataLoader:
         metrics.to_tensorboard(writer, self._metrics_record(), step if step is not None else self._state.step)
 
     def __len__(self) -> int:
-        """Micro-batches in a whole epoch at the current batch size."""
-        return self.sampler.num_steps(0, self._micro_global_size())
+        """Micro-batches in a whole epoch at the current batch size (plans the epoch with a token budget)."""
+        return self._batching.remaining_micro_steps(self._state, self._sizer, env.num_replicas())
 
     def __repr__(self) -> str:
-        return f"AdaptiveDataLoader(name={self.name!r}, batch_size={self.batch_size})"
+        return f"AdaptiveDataLoader(name={self.name!r}, batch_size={self.batch_size}, unit={self.unit!r})"
 
     # ------------------------------------------------------------------ iteration
 
@@ -359,137 +575,187 @@ class AdaptiveDataLoader:
         state = self._state
         for old in [k for k in state.finished if k is not None and key is not None and k < key]:
             del state.finished[old]
-        if (state.epoch, state.loop) == (key, loop) and state.index > 0:
+        if (state.epoch, state.loop) == (key, loop) and self._batching.resuming(state):
             logger.log(_rank0_info(), "loader %s: resuming loop %d of epoch %s at sample %d of %d",
                        self.name, loop, key, state.index, self.sampler.num_samples)
         else:
-            state.epoch, state.loop, state.index = key, loop, 0
+            state.epoch, state.loop = key, loop
+            self._batching.reset(state)
         self.sampler.set_epoch(0 if key is None else key)
-
-    def _micro_global_size(self) -> int:
-        """Samples per micro-step, summed over replicas."""
-        if self._controller is None:
-            return self._state.batch_size
-        return self._controller.current()[0] * env.num_replicas()
-
-    def _plan_step(self) -> list[int]:
-        """Global sizes of the next optimizer step's micro-steps (empty: the epoch is over)."""
-        size, accum = self._micro_global_size(), self.accumulation_steps
-        sizes, position = [], self._state.index
-        for _ in range(accum):
-            taken = self.sampler.step_size(position, size)
-            if taken == 0:
-                break
-            sizes.append(taken)
-            position += taken
-        return sizes
 
     def _steps(self, key: int | None) -> Iterator[Any]:
         state = self._state
-        iterator: Iterator[Any] | None = None
-        planned: tuple[int, int] | None = None
+        plan: _Plan | None = None
         self._timing.reset()
         try:
             while True:
                 sync_points.step_boundary(self._checkpoint_metadata)
-                self._after_boundary(first=iterator is None)
-                sizes = self._plan_step()
-                if not sizes:
+                self._after_boundary(first=plan is None)
+                plan_key = self._controller.current() if self._controller is not None else None
+                if plan is None or plan.key != plan_key:
+                    plan = self._start_plan(plan_key)
+                step = next(plan.steps, None)
+                if step is None:
                     break
-                config = (self._micro_global_size(), env.num_replicas())
-                if iterator is None or planned != config:
-                    iterator = self._restart_inner(state.index, *config)
-                    planned = config
-                for micro in range(len(sizes)):
-                    self._micro = (micro, len(sizes))
-                    batch = self._timing.fetch(iterator, last=micro == len(sizes) - 1)
-                    yield batch
-                state.index += sum(sizes)
+                self._begin_step(step)
+                count = step.num_micro_steps
+                for micro in range(count):
+                    self._micro = (micro, count)
+                    yield self._timing.fetch(plan.batches, last=micro == count - 1)
+                self._batching.commit(state, step)
                 state.step += 1
-                self._micro = None
+                self._end_step(step)
         except GeneratorExit:
             # ``break`` (or the loop abandoned): the loop counts as done.  No
             # collective here: the pending agreement settles at the next boundary.
-            self._micro = None
+            self._end_step(None)
             self._mark_finished(key)
             raise
         self._mark_finished(key)
         sync_points.final_boundary(self._checkpoint_metadata)
 
+    def _start_plan(self, key: Any) -> _Plan:
+        """(Re)start planning from the committed position; the fetching side follows the same plan."""
+        steps = self._batching.plan(self._state, self._sizer, env.num_replicas(), env.rank())
+        outer, inner = itertools.tee(steps)
+        self._batches.source = (indices for step in inner for indices in step.indices)
+        return _Plan(key, outer, iter(self._inner))
+
+    def _begin_step(self, step: PlannedStep) -> None:
+        """Loss weights, LR factor and gradient-statistics configuration of the step about to run."""
+        replicas, count = env.num_replicas(), step.num_micro_steps
+        model = parallel.current_model()
+        total = step.num_tokens if self._average_by == "tokens" else step.num_samples
+        divisor = model.gradient_divisor(count) if model is not None else replicas
+        self._weights = [loss_weight(step, m, total or 0, divisor) for m in range(count)]
+        rule = resolve_lr_scaling(self._lr_scaling, model.scaling_rule if model is not None else None)
+        self._lr_factor = step_lr_factor(max(step.size, 1), step.planned_size, rule)
+        self._step_now = step
+        local = step.shape.micro if self._sizer.per_replica else max(1, step.shape.micro // replicas)
+        self._last_step = (local, count)
+        if model is not None and torch.is_grad_enabled():  # not for evaluation loops under no_grad
+            model.gns.set_batch_config(init_batch_size=self._init_batch_size, local_bsz=local,
+                                       accum_steps=count, num_replicas=replicas)
+
+    def _end_step(self, step: PlannedStep | None) -> None:
+        if step is not None:
+            self._interval.add(step)
+        self._micro = None
+        self._step_now = None
+
     def _after_boundary(self, first: bool) -> None:
         """Per-step bookkeeping at a boundary: timing, batch-size decisions, metrics."""
         model = parallel.current_model()
-        local, accum = self.current_local_bsz, self.accumulation_steps
         step_time, compute_time, data_time = self._timing.step_done()
-        if self._controller is not None and step_time is not None:
-            self._controller.observe(local, accum, step_time, compute_time, data_time)
-        if first:
-            self._configure_gns(model)
+        if self._controller is not None and step_time is not None and self._last_step is not None:
+            self._controller.observe(*self._last_step, step_time, compute_time, data_time)
         if self._controller is not None and model is not None:
             force = first and self._controller.replicas_changed()
             if force or (not first and self._state.step % self._controller.config.adapt_every == 0):
+                before = self._controller.current()
                 decision = self._controller.decide(model.gns.to_grad_params(), force=force)
                 if decision is not None:
-                    self._apply(decision, local, accum, model)
+                    self._log_decision(decision, *before)
         interval = metrics.metrics_interval()
-        if interval and not first and self._state.step % interval == 0:
+        if interval and not first and self._state.step % interval == 0 and torch.is_grad_enabled():
             self._metrics.write(self._metrics_record())
+            self._interval = _IntervalStats()
 
-    def _configure_gns(self, model: Any) -> None:
-        if model is not None:
-            model.gns.set_batch_config(init_batch_size=self._init_batch_size,
-                                       local_bsz=max(1, self._micro_global_size() // env.num_replicas()),
-                                       accum_steps=self.accumulation_steps, num_replicas=env.num_replicas())
-
-    def _apply(self, decision: Decision, local: int, accum: int, model: Any) -> None:
-        replicas = env.num_replicas()
+    def _log_decision(self, decision: Decision, local: int, accum: int) -> None:
+        replicas = env.num_replicas()  # local sizes are per replica in both units
+        before = local * accum * replicas
+        after = decision.local_bsz * decision.accum_steps * replicas
         if env.rank() == 0:
             logger.info("batch size changed from %d (local %d x %d steps) to %d (local %d x %d steps) on %d "
-                        "replicas because %s (goodput %.1f -> %.1f samples/s-equivalent)",
-                        local * accum * replicas, local, accum,
-                        decision.local_bsz * decision.accum_steps * replicas, decision.local_bsz,
-                        decision.accum_steps, replicas, decision.reason, decision.previous_goodput,
-                        decision.goodput)
-        self._metrics.event("batch_size", step=self._state.step, before=local * accum * replicas,
-                            after=decision.local_bsz * decision.accum_steps * replicas,
+                        "replicas because %s (goodput %.1f -> %.1f %s/s-equivalent)",
+                        before, local, accum, after, decision.local_bsz, decision.accum_steps, replicas,
+                        decision.reason, decision.previous_goodput, decision.goodput, self.unit)
+        self._metrics.event("batch_size", loader=self.name, step=self._state.step, before=before, after=after,
                             local_bsz=decision.local_bsz, accum_steps=decision.accum_steps,
                             goodput_before=decision.previous_goodput, goodput_after=decision.goodput,
-                            reason=decision.reason)
-        self._configure_gns(model)
+                            reason=decision.reason, unit=self.unit)
 
     def _metrics_record(self) -> dict[str, Any]:
         model = parallel.current_model()
-        record: dict[str, Any] = {"step": self._state.step, "epoch": epoch.current_epoch(),
+        record: dict[str, Any] = {"loader": self.name, "step": self._state.step,
+                                  "epoch": epoch.current_epoch(),
                                   "replicas": env.num_replicas(), "nodes": env.num_nodes(),
                                   "batch_size": self.batch_size, "local_bsz": self.current_local_bsz,
-                                  "accum_steps": self.accumulation_steps,
-                                  "samples_per_sec": self._timing.samples_per_sec(self.batch_size)}
+                                  "accum_steps": self.accumulation_steps, "unit": self.unit,
+                                  "consumed": self._state.consumed,
+                                  "samples_per_sec": self._timing.per_sec(self.batch_size)}
+        record.update(self._interval.fields())
+        if self.unit == "tokens":  # batch_size is in tokens: report both rates from the steps' actual sizes
+            record["samples_per_sec"] = self._timing.per_sec(record.get("samples_per_step", 0)) or None
+            record["tokens_per_sec"] = self._timing.per_sec(record.get("tokens_per_step", 0)) or None
         if model is not None:
             gns, rule = model.gns, model.scaling_rule
             grad = gns.to_grad_params()
             record.update(noise_scale=gns.noise_scale() if grad is not None else None,
-                          gain=rule.last_gain, lr_factor=rule.last_factor, progress=rule.progress)
-            if grad is not None and record["samples_per_sec"]:
+                          gain=rule.last_gain, lr_factor=rule.last_factor, progress=rule.progress,
+                          step_lr_factor=model.step_lr.last_factor)
+            rate = self._timing.per_sec(self.batch_size)
+            if grad is not None and rate:
                 scale = self.batch_size / self._init_batch_size
-                record["goodput"] = record["samples_per_sec"] * gns.gain(scale) / max(scale, 1e-12)
+                record["goodput"] = rate * gns.gain(scale) / max(scale, 1e-12)
         return record
-
-    def _restart_inner(self, start: int, batch_size: int, replicas: int) -> Iterator[Any]:
-        """(Re)start fetching this replica's micro-batches from global position ``start``."""
-        if batch_size < replicas:
-            raise ValueError(f"loader {self.name}: batch_size={batch_size} is smaller than the number of "
-                             f"replicas ({replicas}); every replica needs at least one sample per step")
-        plan = self._batches
-        plan.start, plan.batch_size, plan.num_replicas, plan.rank = start, batch_size, replicas, env.rank()
-        return iter(self._inner)
 
     def _mark_finished(self, key: int | None) -> None:
         self._state.finished[key] = self._state.loop
-        self._state.index = 0
+        self._batching.reset(self._state)
 
     def _checkpoint_metadata(self) -> dict:
         return {"epoch": epoch.current_epoch(), "step": self._state.step, "loader": self.name,
-                "index": self._state.index, "batch_size": self.batch_size}
+                "index": self._state.index, "batch_size": self.batch_size, "consumed": self._state.consumed,
+                "unit": self.unit}
+
+
+def _dataset_length(dataset: Any) -> int:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise TypeError("AdaptiveDataLoader needs a map-style dataset (with __len__ and __getitem__), "
+                        "not an IterableDataset")
+    try:
+        length = len(dataset)
+    except TypeError:
+        raise TypeError(f"dataset must define __len__; got {type(dataset).__name__}") from None
+    if length == 0:
+        raise ValueError("dataset is empty: AdaptiveDataLoader needs at least one sample")
+    return length
+
+
+def _unit_schedule(spec: Any, unit: str) -> BatchSizeSchedule:
+    """The ramp-up schedule from ``batch_size_schedule=``, checked to count ``unit``."""
+    schedule = make_schedule(spec, unit)
+    if schedule.unit != unit:
+        raise ValueError(f"batch_size_schedule counts {schedule.unit} but this loader batches by {unit} "
+                         f"({'with' if unit == 'tokens' else 'without'} max_tokens); build the schedule "
+                         f"with unit={unit!r}")
+    return schedule
+
+
+def _refuse_token_options(lengths: Any, accumulation_steps: Any, window_size: Any, on_oversize: Any,
+                          average_by: Any) -> None:
+    """Token-budget options given without ``max_tokens`` are mistakes: say so."""
+    given = {"lengths": lengths is not None, "accumulation_steps": accumulation_steps != 1,
+             "window_size": window_size != DEFAULT_WINDOW_SIZE, "on_oversize": on_oversize != "error",
+             "average_by": average_by not in (None, "samples")}
+    wrong = [key for key, value in given.items() if value]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} only apply to token-budget batches; pass max_tokens= as well "
+                         "(for sample batches use autoscale_batch_size(gradient_accumulation=True) "
+                         "for accumulation)")
+
+
+def _check_token_options(drop_last: bool, accumulation_steps: Any, global_batch: bool) -> None:
+    """Options that cannot go with ``max_tokens``, or only in some combinations."""
+    if drop_last:
+        raise ValueError("drop_last=True is not supported with max_tokens: the last step of an epoch is kept "
+                         "(it may be smaller)")
+    _check_positive_int("accumulation_steps", accumulation_steps)
+    if accumulation_steps != 1 and global_batch:
+        raise ValueError("accumulation_steps= cannot be combined with a global batch_size= or "
+                         "batch_size_schedule= in tokens: the micro-steps follow from the global batch and "
+                         "max_tokens")
 
 
 def _rank0_info() -> int:
@@ -500,7 +766,7 @@ def _rank0_info() -> int:
 def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
     refused = {
         "sampler": "the order must be the elastic, replica-independent one; use shuffle= and seed=",
-        "batch_sampler": "batches are cut from the elastic global stream; use batch_size=",
+        "batch_sampler": "batches are cut from the elastic global stream; use batch_size= or max_tokens=",
         "generator": "the order is seeded by seed=, independently of torch's RNG",
     }
     for key, why in refused.items():
@@ -516,4 +782,3 @@ def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
 def _reset_for_tests() -> None:
     global _instances
     _instances = 0
-

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adaptive import checkpoint, collectives, dataloader_context, env
 from adaptive.gns import GradientNoiseScale
 from adaptive.scaling_rules import ScalingRule, make_scaling_rule
+from adaptive.step_lr import StepLRFactor
 
 __all__ = ["AdaptiveDataParallel"]
 
@@ -89,8 +90,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         scaler: a ``torch.amp.GradScaler``, if AMP is used.
         scaling_rule: how the learning rate follows the batch size:
             ``"adascale"``, ``"adamscale"`` (square-root AdaScale for Adam),
-            ``"linear"``, ``"sqrt"``, ``"legw"``, ``"none"``, or a
-            :class:`~adaptive.scaling_rules.ScalingRule`; default chosen from
+            ``"linear"``, ``"sqrt"``, ``"none"``, or a
+            :class:`~adaptive.scaling_rules.ScalingRule` such as
+            ``LEGW(base_warmup_steps=...)``; default chosen from
             the optimizer (AdamScale for Adam-type, AdaScale otherwise).
         name: checkpoint name; give distinct names when a job trains
             several models.
@@ -113,7 +115,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler)
         self.gns.attach(self)
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
-        self.scaling_rule.attach(optimizer, self.gns)
+        # The loader's per-step LR factor (actual / planned step size) nests around the rule's hooks.
+        self.step_lr = StepLRFactor(_loader_lr_factor)
+        self.step_lr.attach_around(optimizer, lambda: self.scaling_rule.attach(optimizer, self.gns))
         _skip_during_accumulation(optimizer, "step", _is_accumulation_step)
         _skip_during_accumulation(optimizer, "zero_grad", _is_continuing_accumulation)
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer,
@@ -135,6 +139,15 @@ class AdaptiveDataParallel(DistributedDataParallel):
         if not _is_continuing_accumulation():
             super().zero_grad(set_to_none=set_to_none)
 
+    def gradient_divisor(self, micro_steps: int) -> int:
+        """What the reduction divides the gradient summed over replicas and micro-steps by.
+
+        The communication hook (:meth:`adaptive.gns.GradientNoiseScale.attach`)
+        averages over replicas and over the step's ``micro_steps``; the loader
+        uses this to weight losses so a step's gradient is a mean over its tokens.
+        """
+        return env.num_replicas() * micro_steps
+
 
 _current_model: AdaptiveDataParallel | None = None
 
@@ -142,6 +155,12 @@ _current_model: AdaptiveDataParallel | None = None
 def current_model() -> AdaptiveDataParallel | None:
     """The most recently created AdaptiveDataParallel (the loader reads its statistics)."""
     return _current_model
+
+
+def _loader_lr_factor() -> float:
+    """The running loader's LR factor for the current step (1 outside loader loops)."""
+    loader = dataloader_context.current_dataloader()
+    return 1.0 if loader is None else loader.lr_factor
 
 
 def _micro_step() -> tuple[int, int] | None:
