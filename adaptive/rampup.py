@@ -57,13 +57,12 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from adaptive.token_batching import LR_RULES, step_lr_factor
+from adaptive.token_batching import LR_RULES, _check_choice, _check_int, step_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -88,28 +87,6 @@ _STAGES_HELP = (
     "increasing from 0, sizes >= 1, numbers as integers with an optional K (10^3), "
     "M (10^6) or G (10^9) suffix, e.g. '0:64 200K:128 1M:256'"
 )
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` as an int ``>= minimum``, or raise naming the argument."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer >= {minimum}, got bool {value!r}")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}"
-        ) from None
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    return number
-
-
-def _check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        choices = ", ".join(repr(a) for a in allowed)
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
 
 
 def parse_count(text: str) -> int:
