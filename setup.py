@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["adaptive", "adaptive.*", "scheduler", "scheduler.*"]),
     include_package_data=True,
-    package_data={"scheduler": ["data/pollux/README.md", "data/pollux/*/*.csv", "data/pollux/*/*/*.csv"]},
+    package_data={"scheduler": ["data/pollux/README.md", "data/pollux/NOTICE",
+                                "data/pollux/*/*.csv", "data/pollux/*/*/*.csv"]},
     install_requires=[
         "torch>=2.4,<2.15",
         "numpy>=1.24",
@@ -28,6 +29,9 @@ setup(
         "console_scripts": [
             "adaptive-run=adaptive.launcher:main",
             "adaptive=adaptive.cli:main",
+            "adaptive-simulate=scheduler.simulate:main",
+            "adaptive-supervisor=scheduler.supervisor.__main__:main",
+            "adaptive-executor=scheduler.executor.__main__:main",
         ],
     },
 )
