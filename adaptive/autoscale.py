@@ -10,17 +10,26 @@ switch at the same step boundary, so the data stream (G2) continues at the
 same position.  A change is made only when it raises goodput by more than
 ``hysteresis`` (default 5%), so the choice does not flap.  After a restart
 with a different number of replicas the decision is remade at once.
+
+At every decision rank 0 also writes the job's *hints* for a cluster
+scheduler (throughput-model parameters, gradient statistics, batch limits;
+see :mod:`adaptive.hints`) to ``hints.json`` in the checkpoint folder, and
+POSTs them to ``$ADAPTIVE_SUPERVISOR_URL/v1/jobs/<job id>/hints`` (bearer
+token ``$ADAPTIVE_SUPERVISOR_TOKEN``) when that variable is set.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from adaptive import checkpoint, collectives, env
 from adaptive.goodput import GoodputFunction, PerfParams, ThroughputProfile
+from adaptive.hints import CurrentConfig, Hints, post_hints, write_hints
 
 __all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
 
@@ -157,6 +166,33 @@ class BatchSizeController:
             return None
         self._state.perf_params = fitted
         return GoodputFunction(self._state.perf_params, grad_params, self.config.init_batch_size)
+
+    def hints(self, grad_params: Any, progress: float) -> Hints:
+        """What this job tells a cluster scheduler about itself."""
+        local, accum = self.current()
+        arrays = self.profile.to_arrays()
+        return Hints(job_id=env.job_id(), timestamp=time.time(), init_batch_size=self.config.init_batch_size,
+                     max_batch_size=self.config.max_batch_size,
+                     local_bsz_bounds=tuple(self.config.local_bsz_bounds),
+                     gradient_accumulation=self.config.gradient_accumulation,
+                     perf_params=self._state.perf_params, grad_params=grad_params,
+                     max_profiled_replicas=int(arrays["num_replicas"].max(initial=0)),
+                     max_profiled_nodes=int(arrays["num_nodes"].max(initial=0)), progress=progress,
+                     current=CurrentConfig(env.num_nodes(), env.num_replicas(), local, accum))
+
+    def report_hints(self, grad_params: Any, progress: float) -> None:
+        """Write (and send, if a supervisor is configured) the hints; rank 0 only, never raises on I/O."""
+        if env.rank() != 0:
+            return
+        try:
+            hints = self.hints(grad_params, progress)
+            write_hints(hints, env.checkpoint_path())
+            url = os.environ.get("ADAPTIVE_SUPERVISOR_URL")
+            if url:
+                post_hints(f"{url.rstrip('/')}/v1/jobs/{hints.job_id}/hints", hints,
+                           token=os.environ.get("ADAPTIVE_SUPERVISOR_TOKEN"))
+        except (OSError, ValueError) as error:
+            logger.warning("could not report scheduler hints (%s); training goes on", error)
 
     def decide(self, grad_params: Any, force: bool = False) -> Decision | None:
         """Agree on the configuration for the next steps; collective, call on every replica.

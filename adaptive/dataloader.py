@@ -330,6 +330,7 @@ class AdaptiveDataLoader:
         self._interval = _IntervalStats()
         self._timing = _StepTiming()
         self._metrics = metrics.MetricsWriter()
+        self._progress_logged = time.monotonic()
         self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", reference)
         if checkpoint.load_state(self._state) and self._state.batch_size != reference:
             logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
@@ -653,13 +654,35 @@ class AdaptiveDataLoader:
             force = first and self._controller.replicas_changed()
             if force or (not first and self._state.step % self._controller.config.adapt_every == 0):
                 before = self._controller.current()
-                decision = self._controller.decide(model.gns.to_grad_params(), force=force)
+                grad_params = model.gns.to_grad_params()
+                decision = self._controller.decide(grad_params, force=force)
+                self._controller.report_hints(grad_params, model.scaling_rule.progress)
                 if decision is not None:
                     self._log_decision(decision, *before)
         interval = metrics.metrics_interval()
         if interval and not first and self._state.step % interval == 0 and torch.is_grad_enabled():
             self._metrics.write(self._metrics_record())
             self._interval = _IntervalStats()
+        if env.rank() == 0 and not first and torch.is_grad_enabled():
+            self._log_progress()
+
+    def _log_progress(self) -> None:
+        """A progress line every ``ADAPTIVE_PROGRESS_INTERVAL`` seconds (default 30; 0 = off), rank 0 only."""
+        every = env.progress_interval()
+        now = time.monotonic()
+        if every <= 0 or now - self._progress_logged < every:
+            return
+        self._progress_logged = now
+        rate = self._timing.per_sec(self.batch_size)
+        line = f"loader {self.name}: epoch {epoch.current_epoch()}, step {self._state.step}"
+        if self.unit == "samples":
+            total = self.sampler.num_samples
+            line += f", sample {self._state.index} of {total}"
+            if rate:
+                line += f", {rate:.1f} samples/s, epoch ETA {_duration((total - self._state.index) / rate)}"
+        elif rate:
+            line += f", {rate:.1f} {self.unit}/s"
+        logger.info("%s (batch %d %s)", line, self.batch_size, self.unit)
 
     def _log_decision(self, decision: Decision, local: int, accum: int) -> None:
         replicas = env.num_replicas()  # local sizes are per replica in both units
@@ -708,6 +731,11 @@ class AdaptiveDataLoader:
         return {"epoch": epoch.current_epoch(), "step": self._state.step, "loader": self.name,
                 "index": self._state.index, "batch_size": self.batch_size, "consumed": self._state.consumed,
                 "unit": self.unit}
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def _dataset_length(dataset: Any) -> int:

@@ -51,6 +51,7 @@ __all__ = [
     "checkpoint_keep",
     "collective_timeout",
     "torchelastic_restart_count",
+    "progress_interval",
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
 ]
@@ -179,6 +180,11 @@ def collective_timeout() -> float:
     if value <= 0:
         raise ValueError("environment variable ADAPTIVE_COLLECTIVE_TIMEOUT must be > 0 seconds")
     return value
+
+
+def progress_interval() -> float:
+    """Seconds between progress lines in the log (``ADAPTIVE_PROGRESS_INTERVAL``, default 30; 0 = off)."""
+    return _float_var("ADAPTIVE_PROGRESS_INTERVAL", 30.0)
 
 
 def torchelastic_restart_count() -> int:

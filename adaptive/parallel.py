@@ -134,6 +134,16 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.require_backward_grad_sync = not _is_accumulation_step()
         return super().forward(*inputs, **kwargs)
 
+    def to_tensorboard(self, writer: Any, step: int) -> None:
+        """Write the gradient statistics and LR scaling as TensorBoard scalars under ``adaptive/``."""
+        if self.gns.to_grad_params() is not None:
+            writer.add_scalar("adaptive/noise_scale", self.gns.noise_scale(), step)
+            writer.add_scalar("adaptive/grad_sqr", self.gns.sqr_avg(), step)
+            writer.add_scalar("adaptive/grad_var", self.gns.var_avg(), step)
+        writer.add_scalar("adaptive/gain", self.scaling_rule.last_gain, step)
+        writer.add_scalar("adaptive/lr_factor", self.scaling_rule.last_factor, step)
+        writer.add_scalar("adaptive/progress", self.scaling_rule.progress, step)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, except in the middle of an accumulation."""
         if not _is_continuing_accumulation():

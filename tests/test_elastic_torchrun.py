@@ -9,6 +9,7 @@ import signal
 import portpicker
 import pytest
 
+from adaptive.hints import read_hints
 from elastic_harness import Jobs, assert_exact_counts, progress, tail, wait_exit, wait_for
 
 pytestmark = pytest.mark.distributed
@@ -102,6 +103,9 @@ def test_autoscale_changes_batch_mid_epoch_and_redecides_after_rescale(jobs, tmp
     sizes_by_epoch = {e: {b["batch_size"] for b in batches if b["epoch"] == e and b["world"] == 2} for e in (0, 1)}
     assert any(len(sizes) > 1 for sizes in sizes_by_epoch.values()), \
         f"the batch size never changed within an epoch on 2 replicas: {sizes_by_epoch}"
+    hints = read_hints(out / "checkpoints")  # what the job tells a cluster scheduler
+    assert hints.current.num_replicas == 3 and hints.max_profiled_replicas >= 2
+    assert hints.perf_params is not None and hints.grad_params is not None
     for name, replicas in (("job1.log", 1), ("job3.log", 3)):
         text = (out / name).read_text()
         assert f"replica count changed from 2 to {replicas}" in text or \
