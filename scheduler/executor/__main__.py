@@ -1,0 +1,110 @@
+"""Command line: run jobs on this machine, submit them, see their status.
+
+    python -m scheduler.executor run    --workdir DIR --slots 4 [--policy goodput] [--interval 60]
+    python -m scheduler.executor submit --workdir DIR job.yaml [...]
+    python -m scheduler.executor status --workdir DIR [--json]
+
+``run`` keeps going until interrupted (SIGINT/SIGTERM stop every job
+gracefully first), or with ``--exit-when-done`` until all jobs ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+from scheduler.cluster import ClusterSpec
+from scheduler.executor.executor import Executor, JobState
+from scheduler.executor.local import LocalBackend
+from scheduler.executor.spool import Spool
+from scheduler.policies import POLICIES, make_policy
+from scheduler.supervisor.state import SupervisorState
+
+logger = logging.getLogger("scheduler.executor")
+
+
+def _run(args: argparse.Namespace) -> int:
+    spool = Spool(args.workdir)
+    executor = Executor(LocalBackend(spool.log_dir, cuda=args.cuda), make_policy(args.policy),
+                        ClusterSpec(1, args.slots), state=SupervisorState(spool.state_path),
+                        interval=args.interval, grace_period=args.grace_period)
+    previous = {j["name"]: j["state"] for j in spool.read_status()[0]}
+    for spec in spool.accepted_specs():
+        if previous.get(spec.name) not in (JobState.SUCCEEDED.value, JobState.FAILED.value):
+            executor.submit(spec)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    finished = [j for j in spool.read_status()[0] if j["name"] not in executor.jobs]
+    while not stop.is_set():
+        for spec in spool.take_new():
+            executor.submit(spec)
+        executor.step()
+        spool.write_status(finished + executor.status(), slots=args.slots, policy=args.policy)
+        if args.exit_when_done and executor.jobs and executor.done:
+            break
+        stop.wait(args.poll)
+    executor.shutdown(timeout=args.grace_period)
+    spool.write_status(finished + executor.status(), slots=args.slots, policy=args.policy)
+    return 0 if all(j.state is not JobState.FAILED for j in executor.jobs.values()) else 1
+
+
+def _submit(args: argparse.Namespace) -> int:
+    spool = Spool(args.workdir)
+    for path in args.specs:
+        spec = spool.submit(path)
+        print(f"submitted {spec.name} ({spec.min_replicas}..{spec.max_replicas} replicas)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    jobs, extra = Spool(args.workdir).read_status()
+    if args.json:
+        print(json.dumps({"jobs": jobs, **extra}, indent=2))
+        return 0
+    print(f"{'job':24} {'state':10} {'replicas':>8} {'target':>6} {'restarts':>8} {'failures':>8} progress")
+    for job in jobs:
+        progress = "-" if job.get("progress") is None else f"{job['progress']:.1f}"
+        print(f"{job['name']:24} {job['state']:10} {job['replicas']:>8} {job['target_replicas']:>6} "
+              f"{job['restarts']:>8} {job['failures']:>8} {progress}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.executor", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the executor in the foreground")
+    run.add_argument("--workdir", required=True, help="executor working folder")
+    run.add_argument("--slots", type=int, required=True, help="devices (processes) to share")
+    run.add_argument("--policy", default="goodput", choices=sorted(POLICIES))
+    run.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds")
+    run.add_argument("--grace-period", type=float, default=120.0, help="seconds to stop before a kill")
+    run.add_argument("--poll", type=float, default=0.5, help="seconds between executor steps")
+    run.add_argument("--cuda", action="store_true", help="map slots to CUDA_VISIBLE_DEVICES")
+    run.add_argument("--exit-when-done", action="store_true", help="exit once every job has ended")
+    submit = sub.add_parser("submit", help="submit YAML job specs to a workdir")
+    submit.add_argument("--workdir", required=True)
+    submit.add_argument("specs", nargs="+", help="job spec files")
+    status = sub.add_parser("status", help="show job states")
+    status.add_argument("--workdir", required=True)
+    status.add_argument("--json", action="store_true", help="print the raw status JSON")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return {"run": _run, "submit": _submit, "status": _status}[args.command](args)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Where the executor's jobs actually run: the backend interface.
+
+The executor decides *what* runs with how many replicas; a backend knows
+*how* to start, watch and stop one incarnation of a job. The local backend
+starts processes on this machine; a Kubernetes backend would create and
+delete pods behind the same four methods, without any change to the
+executor or the policy.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from scheduler.executor.jobspec import JobSpec
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Where one incarnation runs: per replica, its node and device on that node."""
+
+    nodes: Tuple[int, ...]
+    devices: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.nodes) != len(self.devices) or not self.nodes:
+            raise ValueError(f"need one node and one device per replica (>= 1), got {self.nodes}, {self.devices}")
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.nodes)
+
+
+class Backend(abc.ABC):
+    """Starts and stops job incarnations (one launch = one replica count)."""
+
+    @abc.abstractmethod
+    def launch(self, spec: JobSpec, assignment: Assignment, attempt: int) -> Any:
+        """Start ``spec`` on ``assignment`` (one replica per entry); return a handle.
+
+        ``attempt`` numbers the launches of this job (for logs). The job must
+        resume from ``spec.checkpoint_dir``.
+        """
+
+    @abc.abstractmethod
+    def poll(self, handle: Any) -> Optional[int]:
+        """Exit code if the incarnation has ended, else ``None``."""
+
+    @abc.abstractmethod
+    def stop(self, handle: Any) -> None:
+        """Ask for a graceful stop (the job checkpoints and exits); returns at once."""
+
+    @abc.abstractmethod
+    def kill(self, handle: Any) -> None:
+        """Force the incarnation to end (after a graceful stop timed out)."""

@@ -1,0 +1,258 @@
+"""The executor: runs real jobs where the policy says, through a backend.
+
+Each step it
+
+1. notices incarnations that ended: exit 0 means the job is done; an exit
+   after it was asked to stop means it is ready to be relaunched; any other
+   exit is a crash, retried (with back-off) up to the job's ``max_failures``;
+2. reads each job's ``hints.json`` into the supervisor state;
+3. runs a scheduling round every ``interval`` seconds, or at once when a job
+   arrived, finished or failed;
+4. applies the decision: a running job whose allocation changed is stopped
+   gracefully (SIGTERM: it checkpoints and exits; killed after
+   ``grace_period``), and relaunched with its new replica count once its
+   devices are free. Jobs resume exactly through their checkpoint folder.
+
+The executor never looks inside the policy, and reaches processes only
+through :class:`~scheduler.executor.backend.Backend`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from scheduler.allocator import Allocator
+from scheduler.atomic import read_json
+from scheduler.cluster import Allocation, ClusterSpec
+from scheduler.executor.backend import Assignment, Backend
+from scheduler.executor.jobspec import JobSpec
+from scheduler.policies.base import Policy
+from scheduler.supervisor.state import SupervisorState
+
+logger = logging.getLogger(__name__)
+
+#: Longest wait before relaunching a crashed job (doubles per failure from 1 s).
+MAX_BACKOFF = 60.0
+
+
+class JobState(str, enum.Enum):
+    PENDING = "pending"      # waiting for an allocation (or for its devices to free up)
+    RUNNING = "running"
+    STOPPING = "stopping"    # asked to stop gracefully, not exited yet
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+@dataclass
+class ManagedJob:
+    """The executor's record of one job."""
+
+    spec: JobSpec
+    submitted_at: float
+    state: JobState = JobState.PENDING
+    handle: Any = None
+    assignment: Optional[Assignment] = None
+    target: Allocation = ()
+    launches: int = 0
+    failures: int = 0
+    last_exit: Optional[int] = None
+    stop_deadline: float = 0.0
+    not_before: float = 0.0
+    finished_at: Optional[float] = None
+    hints_mtime: float = 0.0
+    progress: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (JobState.SUCCEEDED, JobState.FAILED)
+
+    def status(self) -> Dict[str, Any]:
+        return {"name": self.spec.name, "state": self.state.value,
+                "replicas": self.assignment.num_replicas if self.assignment else 0,
+                "target_replicas": len(self.target), "launches": self.launches,
+                "restarts": max(self.launches - 1, 0), "failures": self.failures,
+                "last_exit": self.last_exit, "progress": self.progress,
+                "submitted_at": self.submitted_at, "finished_at": self.finished_at,
+                "min_replicas": self.spec.min_replicas, "max_replicas": self.spec.max_replicas}
+
+
+class Executor:
+    """Runs submitted jobs on ``cluster`` under ``policy`` through ``backend``.
+
+    Args:
+        backend: starts and stops incarnations.
+        policy: decides allocations.
+        cluster: the devices (one node with N slots for the local backend).
+        state: supervisor state (hints, allocations); in memory by default.
+        interval: seconds between scheduling rounds without events.
+        grace_period: seconds a job may take to stop before it is killed.
+        clock: time source in seconds.
+    """
+
+    def __init__(self, backend: Backend, policy: Policy, cluster: ClusterSpec,
+                 state: Optional[SupervisorState] = None, interval: float = 60.0,
+                 grace_period: float = 120.0, clock: Callable[[], float] = time.time):
+        if interval <= 0 or grace_period <= 0:
+            raise ValueError(f"interval and grace_period must be > 0 s, got {interval}, {grace_period}")
+        self.backend = backend
+        self.cluster = cluster
+        self.state = state if state is not None else SupervisorState()
+        self.allocator = Allocator(policy, cluster, self.state)
+        self.interval = float(interval)
+        self.grace_period = float(grace_period)
+        self.clock = clock
+        self.jobs: Dict[str, ManagedJob] = {}
+        self._next_round = 0.0
+        self._dirty = False
+
+    # --------------------------------------------------------------- public
+    def submit(self, spec: JobSpec) -> None:
+        """Add a job; it starts when the policy gives it devices."""
+        if spec.name in self.jobs:
+            raise ValueError(f"a job named {spec.name!r} was already submitted")
+        now = self.clock()
+        self.jobs[spec.name] = ManagedJob(spec, submitted_at=now)
+        self.state.register_job(spec.name, {"min_replicas": spec.min_replicas,
+                                            "max_replicas": spec.max_replicas,
+                                            "preemptible": spec.preemptible, "submission_time": now})
+        self._dirty = True
+        logger.info("submitted %s (replicas %d..%d)", spec.name, spec.min_replicas, spec.max_replicas)
+
+    def step(self) -> None:
+        """One pass: reap exits, read hints, maybe reschedule, apply."""
+        now = self.clock()
+        self._reap(now)
+        self._read_hints()
+        if self._dirty or now >= self._next_round:
+            self._schedule(now)
+        self._apply(now)
+
+    @property
+    def done(self) -> bool:
+        """All submitted jobs have succeeded or failed."""
+        return all(job.finished for job in self.jobs.values())
+
+    def status(self) -> List[Dict[str, Any]]:
+        """One dict per job, in submission order."""
+        return [job.status() for job in self.jobs.values()]
+
+    def shutdown(self, timeout: float = 60.0, poll: float = 0.2) -> None:
+        """Stop every running job gracefully (kill after ``timeout``) and wait."""
+        deadline = self.clock() + timeout
+        for job in self.jobs.values():
+            if job.state in (JobState.RUNNING, JobState.STOPPING):
+                self.backend.stop(job.handle)
+        while any(j.state in (JobState.RUNNING, JobState.STOPPING) for j in self.jobs.values()):
+            for job in self.jobs.values():
+                if job.state in (JobState.RUNNING, JobState.STOPPING):
+                    code = self.backend.poll(job.handle)
+                    if code is not None:
+                        job.state, job.last_exit, job.handle, job.assignment = JobState.PENDING, code, None, None
+                    elif self.clock() > deadline:
+                        self.backend.kill(job.handle)
+            time.sleep(poll)
+
+    # ------------------------------------------------------------- internals
+    def _reap(self, now: float) -> None:
+        for job in self.jobs.values():
+            if job.state not in (JobState.RUNNING, JobState.STOPPING):
+                continue
+            code = self.backend.poll(job.handle)
+            if code is None:
+                if job.state is JobState.STOPPING and now >= job.stop_deadline:
+                    logger.warning("%s did not stop within %.0f s; killing it", job.spec.name, self.grace_period)
+                    self.backend.kill(job.handle)
+                continue
+            stopping = job.state is JobState.STOPPING
+            job.last_exit, job.handle, job.assignment = code, None, None
+            if code == 0:
+                self._finish(job, JobState.SUCCEEDED, now)
+            elif stopping:
+                job.state = JobState.PENDING
+                logger.info("%s stopped (exit %d) for reallocation", job.spec.name, code)
+            else:
+                job.failures += 1
+                if job.failures > job.spec.max_failures:
+                    logger.error("%s failed %d times (last exit %d); giving up", job.spec.name, job.failures, code)
+                    self._finish(job, JobState.FAILED, now)
+                else:
+                    job.state = JobState.PENDING
+                    job.not_before = now + min(2.0 ** (job.failures - 1), MAX_BACKOFF)
+                    logger.warning("%s crashed (exit %d, failure %d of %d allowed); relaunching",
+                                   job.spec.name, code, job.failures, job.spec.max_failures)
+
+    def _finish(self, job: ManagedJob, state: JobState, now: float) -> None:
+        job.state, job.finished_at, job.target = state, now, ()
+        self.state.remove_job(job.spec.name)
+        self._dirty = True
+        logger.info("%s %s after %.0f s", job.spec.name, state.value, now - job.submitted_at)
+
+    def _read_hints(self) -> None:
+        for job in self.jobs.values():
+            if job.finished:
+                continue
+            found = [(os.stat(p).st_mtime, p) for p in job.spec.hints_paths if os.path.exists(p)]
+            if not found:
+                continue
+            mtime, path = max(found)
+            if mtime <= job.hints_mtime:
+                continue
+            job.hints_mtime = mtime
+            try:
+                hints = read_json(path)
+                self.state.update_hints(job.spec.name, hints)
+                job.progress = float(hints.get("progress")) if isinstance(hints, dict) else None
+            except (OSError, ValueError, TypeError) as exc:
+                logger.warning("%s: ignoring hints in %s: %s", job.spec.name, path, exc)
+
+    def _schedule(self, now: float) -> None:
+        decided = self.allocator.step(now)
+        for name, job in self.jobs.items():
+            if not job.finished:
+                job.target = decided.get(name, ())
+        self._dirty = False
+        self._next_round = now + self.interval
+
+    def _apply(self, now: float) -> None:
+        for job in self.jobs.values():
+            if job.state is JobState.RUNNING and job.assignment.nodes != job.target:
+                logger.info("%s: stopping to move from %d to %d replicas", job.spec.name,
+                            job.assignment.num_replicas, len(job.target))
+                self.backend.stop(job.handle)
+                job.state, job.stop_deadline = JobState.STOPPING, now + self.grace_period
+        free = self._free_devices()
+        for job in self.jobs.values():
+            if job.state is not JobState.PENDING or not job.target or now < job.not_before:
+                continue
+            assignment = self._assign(job.target, free)
+            if assignment is None:
+                continue  # devices still held by jobs that are stopping
+            job.assignment = assignment
+            job.launches += 1
+            job.handle = self.backend.launch(job.spec, assignment, job.launches)
+            job.state = JobState.RUNNING
+
+    def _free_devices(self) -> Dict[int, List[int]]:
+        used = {(n, d) for j in self.jobs.values() if j.assignment is not None
+                for n, d in zip(j.assignment.nodes, j.assignment.devices)}
+        return {n: [d for d in range(self.cluster.gpus_per_node) if (n, d) not in used]
+                for n in range(self.cluster.num_nodes)}
+
+    @staticmethod
+    def _assign(target: Allocation, free: Dict[int, List[int]]) -> Optional[Assignment]:
+        """Devices for ``target`` (node per replica) from ``free``, taken out of it; ``None`` if busy."""
+        need: Dict[int, int] = {}
+        for node in target:
+            need[node] = need.get(node, 0) + 1
+        if any(len(free[n]) < k for n, k in need.items()):
+            return None
+        devices: List[Tuple[int, int]] = []
+        for node, count in sorted(need.items()):
+            devices.extend((node, d) for d in free[node][:count])
+            del free[node][:count]
+        return Assignment(tuple(n for n, _ in devices), tuple(d for _, d in devices))

@@ -1,0 +1,103 @@
+"""Local backend: each job incarnation is a launcher process group on this machine.
+
+A job with ``N`` replicas runs as::
+
+    python -m adaptive.launcher --standalone --nproc-per-node=N <command...>
+
+(the ``adaptive-run`` console command) in its own session, with
+``ADAPTIVE_JOB_ID``, ``ADAPTIVE_CHECKPOINT_PATH`` and ``ADAPTIVE_SHARE_PATH``
+set, output appended to ``<log_dir>/<job>/attempt-<k>.log``. A graceful stop
+is SIGTERM to the process group (jobs checkpoint and exit with 143); a kill
+is SIGKILL to the group. With ``cuda=True`` the job's slots become its
+``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from scheduler.executor.backend import Assignment, Backend
+from scheduler.executor.jobspec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalHandle:
+    """A running launcher process."""
+
+    process: subprocess.Popen
+    log_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class LocalBackend(Backend):
+    """Runs incarnations as local process groups.
+
+    Args:
+        log_dir: folder for per-attempt logs.
+        launcher: command prefix that takes torchrun's arguments
+            (default: this Python running ``-m adaptive.launcher``).
+        cuda: map slots to ``CUDA_VISIBLE_DEVICES``.
+    """
+
+    def __init__(self, log_dir: str, launcher: Optional[Sequence[str]] = None, cuda: bool = False):
+        self.log_dir = log_dir
+        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "adaptive.launcher"]
+        self.cuda = cuda
+
+    def command(self, spec: JobSpec, num_replicas: int) -> List[str]:
+        """The full command line of one incarnation."""
+        return [*self.launcher, "--standalone", f"--nproc-per-node={num_replicas}", *spec.command]
+
+    def launch(self, spec: JobSpec, assignment: Assignment, attempt: int) -> LocalHandle:
+        if len(set(assignment.nodes)) != 1:
+            raise ValueError(f"the local backend runs on one node; got nodes {sorted(set(assignment.nodes))}")
+        num_replicas = assignment.num_replicas
+        env = dict(os.environ)
+        env.update(spec.env)
+        env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
+                    "ADAPTIVE_SHARE_PATH": spec.share_dir})
+        if self.cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in assignment.devices)
+        os.makedirs(spec.checkpoint_dir, exist_ok=True)
+        log_path = os.path.join(self.log_dir, spec.name, f"attempt-{attempt}.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        cmd = self.command(spec, num_replicas)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True)
+        logger.info("launched %s with %d replicas (pid %d, log %s)", spec.name, num_replicas, process.pid,
+                    log_path)
+        return LocalHandle(process, log_path)
+
+    def poll(self, handle: LocalHandle) -> Optional[int]:
+        code = handle.process.poll()
+        if code is not None and code < 0:
+            return 128 - code  # killed by signal N -> 128 + N, as a shell reports it
+        return code
+
+    def stop(self, handle: LocalHandle) -> None:
+        self._signal(handle, signal.SIGTERM)
+
+    def kill(self, handle: LocalHandle) -> None:
+        self._signal(handle, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(handle: LocalHandle, sig: signal.Signals) -> None:
+        # The launcher leads its own session (pgid == pid); its workers are in
+        # the group too, and are signalled even if the launcher already exited.
+        try:
+            os.killpg(handle.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        logger.debug("sent %s to process group %d", sig.name, handle.pid)

@@ -1,0 +1,117 @@
+"""What a policy knows about a job when it decides allocations.
+
+The same :class:`JobInfo` is built by the simulator (from a simulated job)
+and by the supervisor/executor (from a job's reported hints), so a policy
+never knows which of the two is calling it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from scheduler.cluster import Allocation
+from scheduler.speedup import SpeedupCache, SpeedupFunction
+
+logger = logging.getLogger(__name__)
+
+#: A job may be given at most this many times the replicas its throughput
+#: model has seen, so the model is never trusted far outside its data.
+EXPLORATION_FACTOR = 2
+
+
+@dataclass
+class JobInfo:
+    """Scheduling view of one active job.
+
+    Attributes:
+        name: unique job id.
+        submission_time: when the job arrived (seconds, same clock as ``now``).
+        min_replicas: fewest replicas the job can run with (0 = no guarantee).
+        max_replicas: most replicas it may get; fixed-size policies give
+            exactly this many.
+        preemptible: ``False`` pins the job to its allocation once it has one.
+        attained_service: GPU-seconds used so far (restart time included).
+        num_restarts: reallocations after the first start.
+        speedup_fn: speedup by (nodes, replicas); ``None`` until the job has
+            reported a throughput model (then speedup is assumed linear).
+    """
+
+    name: str
+    submission_time: float = 0.0
+    min_replicas: int = 0
+    max_replicas: int = 1
+    preemptible: bool = True
+    attained_service: float = 0.0
+    num_restarts: int = 0
+    speedup_fn: Optional[SpeedupFunction] = None
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"job {self.name!r}: min_replicas must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError(f"job {self.name!r}: max_replicas must be >= max(min_replicas, 1), "
+                             f"got min={self.min_replicas}, max={self.max_replicas}")
+
+    def is_pinned(self, current: Allocation) -> bool:
+        """A non-preemptible job that already runs keeps its allocation."""
+        return not self.preemptible and bool(current)
+
+
+def replica_limit(max_replicas: int, max_profiled_replicas: int, max_batch_size: Optional[int] = None,
+                  local_bsz_bounds: Optional[Sequence[Optional[int]]] = None,
+                  exploration_factor: int = EXPLORATION_FACTOR) -> int:
+    """Most replicas a job may get: its own limit, ``exploration_factor`` times
+    what its throughput model has seen, and what its batch limits allow."""
+    limit = min(max_replicas, max(1, exploration_factor * int(max_profiled_replicas)))
+    low = local_bsz_bounds[0] if local_bsz_bounds is not None else None
+    if max_batch_size is not None and low:
+        limit = min(limit, max(1, int(max_batch_size) // int(low)))
+    return limit
+
+
+def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
+                        max_batch_size: Optional[int], local_bsz_bounds: Optional[Sequence[Optional[int]]],
+                        gradient_accumulation: bool, max_profiled_replicas: int,
+                        min_replicas: int = 0, max_replicas: int = 64, preemptible: bool = True,
+                        attained_service: float = 0.0, num_restarts: int = 0,
+                        exploration_factor: int = EXPLORATION_FACTOR,
+                        speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
+    """A :class:`JobInfo` for a job whose goodput model is ``goodput_fn``
+    (``None``: no throughput model yet, so speedup is assumed linear)."""
+    limit = replica_limit(max_replicas, max_profiled_replicas, max_batch_size, local_bsz_bounds,
+                          exploration_factor)
+    speedup_fn = None
+    if goodput_fn is not None:
+        try:
+            profiled = max(int(max_profiled_replicas), 1)
+            if speedup_cache is not None:
+                speedup_fn = speedup_cache.get(name, goodput_fn, max_batch_size, local_bsz_bounds,
+                                               gradient_accumulation, profiled)
+            else:
+                speedup_fn = SpeedupFunction(goodput_fn, max_batch_size, local_bsz_bounds, gradient_accumulation,
+                                             profiled)
+        except ValueError as exc:
+            logger.warning("job %s: ignoring its goodput model: %s", name, exc)
+    return JobInfo(name=name, submission_time=submission_time, min_replicas=min_replicas,
+                   max_replicas=max(limit, min_replicas, 1), preemptible=preemptible,
+                   attained_service=attained_service, num_restarts=num_restarts, speedup_fn=speedup_fn)
+
+
+def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
+                        max_replicas: int = 64, preemptible: bool = True, attained_service: float = 0.0,
+                        num_restarts: int = 0, exploration_factor: int = EXPLORATION_FACTOR,
+                        speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
+    """A :class:`JobInfo` from a job's reported :class:`adaptive.hints.Hints`
+    (``None`` if it has not reported yet: one replica, unless it needs more)."""
+    common = dict(submission_time=submission_time, min_replicas=min_replicas, max_replicas=max_replicas,
+                  preemptible=preemptible, attained_service=attained_service, num_restarts=num_restarts,
+                  exploration_factor=exploration_factor)
+    if hints is None:
+        return job_info_from_model(name, None, max_batch_size=None, local_bsz_bounds=None,
+                                   gradient_accumulation=False, max_profiled_replicas=0, **common)
+    return job_info_from_model(
+        name, hints.goodput_function(), max_batch_size=hints.max_batch_size,
+        local_bsz_bounds=hints.local_bsz_bounds, gradient_accumulation=hints.gradient_accumulation,
+        max_profiled_replicas=hints.max_profiled_replicas, speedup_cache=speedup_cache, **common)

@@ -1,0 +1,296 @@
+"""Goodput policy: share GPUs to maximise a fair aggregate of job speedups.
+
+Each job's *speedup* on ``r`` replicas is its best goodput there (at the
+batch size it would pick) over its goodput on one device
+(:class:`scheduler.speedup.SpeedupFunction`). The policy maximises the
+power mean (exponent ``p``, ``p = -1`` by default: fairness-leaning) of
+the jobs' speedups, each scaled by its speedup at a fair share of the
+cluster, as Pollux does. A job whose allocation changes pays for the
+restart: its speedup is multiplied by ``(age - restarts * delay) /
+(age + delay)``, the share of its life it would have spent running had it
+restarted once more, so young or often-moved jobs are moved less (a job
+that is waiting pays nothing extra to start).
+
+Pollux searches this space with a genetic algorithm. Here, instead:
+
+1. **Replica counts by greedy marginal gain.** Starting from nothing,
+   repeatedly give GPUs to the job whose utility rises most per GPU,
+   looking at every larger count (not only ``+1``) so that non-concave
+   speedups and the restart cost do not trap the search. This is exact
+   for concave utilities and cheap: one vectorised pass per grant.
+2. **Placement.** Jobs that keep their count keep their GPUs (no
+   restart). Others are placed largest first: multi-node jobs on whole
+   free nodes plus one partial node that hosts no other multi-node job
+   (interference avoidance), single-node jobs on the fullest node that
+   fits (best fit, to keep whole nodes free). A job that cannot be placed
+   gets its count capped and the counts are recomputed.
+3. **Local search.** Moves of GPUs from one job to another are tried
+   while they raise the objective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from scheduler.cluster import Allocation, ClusterSpec, free_gpus, make_allocation, num_nodes_of
+from scheduler.job_info import JobInfo
+from scheduler.policies.base import Policy
+
+logger = logging.getLogger(__name__)
+
+_EPS = 1e-3  # keeps the power mean finite when a job gets nothing
+
+
+class GoodputPolicy(Policy):
+    """Fairness-aware goodput maximisation with restart costs.
+
+    Args:
+        p: power-mean exponent over job speedups (``p <= 1``; ``-1`` leans
+            to fairness, ``0`` is the geometric mean, ``1`` the sum).
+        restart_penalty: seconds a reallocation costs a job (for the
+            restart factor).
+        local_search_passes: improvement passes after the greedy.
+    """
+
+    name = "goodput"
+    adaptive = True
+    avoids_interference = True
+
+    def __init__(self, p: float = -1.0, restart_penalty: float = 30.0, min_age: float = 0.0,
+                 las_scale: float = 3600.0, las_exponent: float = 0.0, change_margin: float = 0.0,
+                 restart_model: str = "pollux", normalize: str = "fair", local_search_passes: int = 2):
+        if p > 1:
+            raise ValueError(f"p must be <= 1 (a concave power mean), got {p}")
+        if restart_penalty < 0:
+            raise ValueError(f"restart_penalty must be >= 0, got {restart_penalty}")
+        if local_search_passes < 0:
+            raise ValueError(f"local_search_passes must be >= 0, got {local_search_passes}")
+        if min_age < 0:
+            raise ValueError(f"min_age must be >= 0 seconds, got {min_age}")
+        self.p = float(p)
+        self.restart_penalty = float(restart_penalty)
+        self.min_age = float(min_age)
+        self.las_scale = float(las_scale)
+        self.las_exponent = float(las_exponent)
+        self.change_margin = float(change_margin)
+        self.restart_model = restart_model
+        self.normalize = normalize
+        self.local_search_passes = int(local_search_passes)
+
+    # ----------------------------------------------------------------- public
+    def optimize(self, jobs: Mapping[str, JobInfo], cluster: ClusterSpec,
+                 current: Mapping[str, Allocation], now: float) -> Dict[str, Allocation]:
+        current = {n: tuple(a) for n, a in current.items() if n in jobs and a}
+        pinned = {n: a for n, a in current.items() if jobs[n].is_pinned(a)}
+        names = sorted((n for n in jobs if n not in pinned),
+                       key=lambda n: (jobs[n].attained_service, jobs[n].submission_time, n))
+        if not names:
+            return dict(pinned)
+        free = free_gpus(cluster, pinned)
+        capacity = sum(free)
+        utility = self._utility_table(names, jobs, cluster, current, now, capacity)
+        caps = np.array([min(jobs[n].max_replicas, capacity) for n in names])
+        counts = np.zeros(len(names), dtype=int)
+        for _ in range(len(names) + 1):
+            counts = _greedy_counts(utility, caps, capacity)
+            counts = _local_search(utility, counts, caps, capacity, self.local_search_passes)
+            placed, shortfall = _place(names, counts, current, free, cluster.gpus_per_node)
+            if not shortfall:
+                break
+            for i, fits in shortfall.items():
+                caps[i] = min(caps[i], fits)
+        allocations = dict(pinned)
+        allocations.update({n: a for n, a in placed.items() if a})
+        return allocations
+
+    # ---------------------------------------------------------------- utility
+    def _utility_table(self, names: Sequence[str], jobs: Mapping[str, JobInfo], cluster: ClusterSpec,
+                       current: Mapping[str, Allocation], now: float, capacity: int) -> np.ndarray:
+        """``U[j, r]``: utility of job ``j`` holding ``r`` replicas (``-inf`` if not allowed)."""
+        max_r = max(1, capacity)
+        reps = np.arange(max_r + 1)
+        fair = max(1, math.ceil(cluster.total_gpus / len(jobs)))
+        table = np.full((len(names), max_r + 1), -np.inf)
+        for i, name in enumerate(names):
+            job = jobs[name]
+            speedup = self._speedups(job, reps, cluster.gpus_per_node, current.get(name, ()))
+            base = self._speedups(job, np.array([fair if self.normalize == "fair" else 1]), cluster.gpus_per_node, ())[0]
+            scaled = speedup / max(base, 1e-12) / cluster.gpus_per_node
+            held = len(current.get(name, ()))
+            if held:  # moving a running job costs it a restart; starting a waiting one costs nothing extra
+                factor = self._restart_factor(job, now) * (1.0 - self.change_margin)
+                scaled = np.where((reps != held) & (reps > 0), scaled * factor, scaled)
+            allowed = (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= job.max_replicas))
+            weight = (1.0 + job.attained_service / self.las_scale) ** -self.las_exponent
+            table[i] = np.where(allowed, weight * self._u(scaled), -np.inf)
+        return table
+
+    @staticmethod
+    def _speedups(job: JobInfo, reps: np.ndarray, gpus_per_node: int, held: Allocation) -> np.ndarray:
+        """Speedup on ``reps`` replicas, packed on as few nodes as possible
+        (the job's actual node count for its current size)."""
+        nodes = np.where(reps <= gpus_per_node, 1, -(-reps // gpus_per_node))
+        if held:
+            nodes = np.where(reps == len(held), num_nodes_of(held), nodes)
+        out = np.zeros(len(reps))
+        positive = reps > 0
+        if job.speedup_fn is None:
+            out[positive] = reps[positive]
+        else:
+            out[positive] = job.speedup_fn(nodes[positive], reps[positive])
+        return out
+
+    def _restart_factor(self, job: JobInfo, now: float) -> float:
+        delay = self.restart_penalty
+        age = max(now - job.submission_time, self.min_age)
+        if delay == 0:
+            return 1.0
+        if self.restart_model == "lindy":
+            return max(age - (job.num_restarts + 1) * delay, 0.0) / max(age, delay)
+        return max(age - job.num_restarts * delay, 0.0) / (age + delay)
+
+    def _u(self, x: np.ndarray) -> np.ndarray:
+        """Per-job utility whose sum ranks allocations like the power mean."""
+        x = np.asarray(x, dtype=float) + _EPS
+        if self.p == 0:
+            return np.log(x)
+        if self.p < 0:
+            return -np.power(x, self.p)
+        return np.power(x, self.p)
+
+
+def _greedy_counts(utility: np.ndarray, caps: np.ndarray, capacity: int) -> np.ndarray:
+    """Grant GPUs by best utility gain per GPU until none helps or none is left."""
+    n_jobs, width = utility.shape
+    counts = np.zeros(n_jobs, dtype=int)
+    reps = np.arange(width)
+    left = capacity
+    rows = np.arange(n_jobs)
+    while left > 0:
+        base = utility[rows, counts]
+        step = reps[None, :] - counts[:, None]
+        ok = (step > 0) & (step <= left) & (reps[None, :] <= caps[:, None]) & np.isfinite(utility)
+        with np.errstate(invalid="ignore"):
+            gain = np.where(ok, (utility - base[:, None]) / np.maximum(step, 1), -np.inf)
+        j, r = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        if not gain[j, r] > 0:
+            break
+        left -= r - counts[j]
+        counts[j] = r
+    return counts
+
+
+def _local_search(utility: np.ndarray, counts: np.ndarray, caps: np.ndarray, capacity: int,
+                  passes: int) -> np.ndarray:
+    """Move GPUs between pairs of jobs while the total utility rises."""
+    counts = counts.copy()
+    n_jobs, width = utility.shape
+    rows = np.arange(n_jobs)
+    for _ in range(passes):
+        improved = False
+        for giver in np.flatnonzero(counts > 0):
+            have = counts[giver]
+            cur = utility[rows, counts]
+            # Every smaller count for the giver, and every larger one for the others.
+            for new_giver in range(have):
+                if not np.isfinite(utility[giver, new_giver]):
+                    continue
+                spare = capacity - counts.sum() + have - new_giver
+                loss = utility[giver, have] - utility[giver, new_giver]
+                reps = np.arange(width)
+                step = reps[None, :] - counts[:, None]
+                ok = (step > 0) & (step <= spare) & (reps[None, :] <= caps[:, None]) & np.isfinite(utility)
+                ok[giver] = False
+                gain = np.where(ok, utility - cur[:, None], -np.inf)
+                j, r = np.unravel_index(int(np.argmax(gain)), gain.shape)
+                if gain[j, r] > loss + 1e-12:
+                    counts[giver] = new_giver
+                    counts[j] = r
+                    improved = True
+                    break
+        if not improved:
+            break
+    return counts
+
+
+def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Allocation],
+           free: Sequence[int], gpus_per_node: int) -> Tuple[Dict[str, Allocation], Dict[int, int]]:
+    """Assign nodes for the chosen counts.
+
+    Returns the allocations and, for jobs that did not fit, the most
+    replicas they could have had (their new cap).
+    """
+    free = list(free)
+    multi_nodes = set()
+    placed: Dict[str, Allocation] = {}
+    for name, count in zip(names, counts):
+        held = current.get(name, ())
+        if count > 0 and len(held) == count:
+            placed[name] = held
+            for node in held:
+                free[node] -= 1
+            if num_nodes_of(held) > 1:
+                multi_nodes.update(held)
+    shortfall: Dict[int, int] = {}
+    order = sorted((i for i, n in enumerate(names) if counts[i] > 0 and n not in placed),
+                   key=lambda i: (-counts[i], i))
+    for i in order:
+        alloc = _fit(int(counts[i]), free, multi_nodes, gpus_per_node)
+        if alloc is None:
+            shortfall[i] = _most_placeable(free, multi_nodes, int(counts[i]) - 1, gpus_per_node)
+            continue
+        placed[names[i]] = alloc
+        for node in alloc:
+            free[node] -= 1
+        if num_nodes_of(alloc) > 1:
+            multi_nodes.update(alloc)
+    return placed, shortfall
+
+
+def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) -> Optional[Allocation]:
+    """Nodes for a job of ``count`` replicas, or ``None`` if it does not fit.
+
+    A job that fits on one node is never split (its speedup was computed for
+    one node); a larger job takes whole free nodes first, then the partial
+    node that best fits the rest, never a node with another multi-node job.
+    """
+    if count <= gpus_per_node:
+        single = [n for n in range(len(free)) if free[n] >= count]
+        if not single:
+            return None
+        best = min(single, key=lambda n: (free[n], n))  # best fit keeps whole nodes free
+        return make_allocation([best] * count)
+    eligible = [n for n in range(len(free)) if free[n] > 0 and n not in multi_nodes]
+    if sum(free[n] for n in eligible) < count:
+        return None
+    nodes: List[int] = []
+    for n in sorted(eligible, key=lambda n: (-free[n], n)):
+        if len(nodes) + free[n] > count:
+            continue
+        nodes.extend([n] * free[n])
+        if len(nodes) == count:
+            return make_allocation(nodes)
+    rest = count - len(nodes)
+    used = set(nodes)
+    partial = [n for n in eligible if n not in used and free[n] >= rest]
+    if partial:
+        nodes.extend([min(partial, key=lambda n: (free[n], n))] * rest)
+        return make_allocation(nodes)
+    for n in sorted((n for n in eligible if n not in used), key=lambda n: (-free[n], n)):
+        take = min(free[n], count - len(nodes))
+        nodes.extend([n] * take)
+        if len(nodes) == count:
+            return make_allocation(nodes)
+    return None
+
+
+def _most_placeable(free: Sequence[int], multi_nodes: set, upper: int, gpus_per_node: int) -> int:
+    """Largest replica count up to ``upper`` that :func:`_fit` could place now."""
+    single = min(max(free, default=0), gpus_per_node)
+    spread = sum(f for n, f in enumerate(free) if n not in multi_nodes)
+    best = spread if spread > gpus_per_node else single
+    return max(0, min(upper, best))

@@ -1,0 +1,388 @@
+"""Executor logic with a fake backend, the local process backend, job specs and the CLI spool."""
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from scheduler.cluster import ClusterSpec, make_allocation
+from scheduler.executor import (Assignment, Backend, Executor, JobSpec, JobState, LocalBackend, Spool,
+                                load_job_spec)
+from scheduler.executor.__main__ import main as executor_main
+from scheduler.policies import TiresiasPolicy
+from scheduler.policies.base import Policy
+from scheduler.supervisor.state import SupervisorState
+
+
+class EqualShare(Policy):
+    """Test policy: split the slots of one node evenly (earliest jobs get the remainder)."""
+
+    name = "equal"
+    adaptive = False  # use the jobs' max_replicas as given, no hints needed
+
+    def optimize(self, jobs, cluster, current, now):
+        names = sorted(jobs, key=lambda n: (jobs[n].submission_time, n))
+        left, out = cluster.gpus_per_node, {}
+        for i, name in enumerate(names):
+            share = -(-left // (len(names) - i))
+            take = min(jobs[name].max_replicas, share, left)
+            if take:
+                out[name] = make_allocation([0] * take)
+                left -= take
+        return out
+
+
+class FakeHandle:
+    def __init__(self, name, assignment):
+        self.name, self.assignment = name, assignment
+        self.exit_code = None
+        self.stop_requested = self.killed = False
+
+
+class FakeBackend(Backend):
+    """Records launches; incarnations exit when the test says (or 143 when stopped, if ``obedient``)."""
+
+    def __init__(self, obedient=True):
+        self.obedient = obedient
+        self.launched = []
+
+    def launch(self, spec, assignment, attempt):
+        handle = FakeHandle(spec.name, assignment)
+        self.launched.append((spec.name, assignment.num_replicas, assignment.devices, attempt))
+        return handle
+
+    def poll(self, handle):
+        if handle.exit_code is None and handle.stop_requested and self.obedient:
+            handle.exit_code = 143
+        return handle.exit_code
+
+    def stop(self, handle):
+        handle.stop_requested = True
+
+    def kill(self, handle):
+        handle.killed = True
+        handle.exit_code = 137
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def spec(name, tmp_path, max_replicas=3, **kw):
+    return JobSpec(name=name, command=("train.py",), checkpoint_dir=str(tmp_path / name),
+                   max_replicas=max_replicas, **kw)
+
+
+def running(backend, name):
+    return [h for h in backend.handles if h.name == name]
+
+
+def make_executor(backend, policy=None, slots=3, **kw):
+    clock = Clock()
+    ex = Executor(backend, policy or EqualShare(), ClusterSpec(1, slots), interval=60, grace_period=30,
+                  clock=clock, **kw)
+    return ex, clock
+
+
+def handle_of(ex, name):
+    return ex.jobs[name].handle
+
+
+def test_first_job_finishes_second_is_scaled_up(tmp_path):
+    backend = FakeBackend()
+    ex, clock = make_executor(backend)
+    ex.submit(spec("a", tmp_path))
+    clock.now += 1
+    ex.submit(spec("b", tmp_path))
+    ex.step()
+    assert sorted(backend.launched) == [("a", 2, (0, 1), 1), ("b", 1, (2,), 1)]
+    handle_of(ex, "a").exit_code = 0
+    clock.now += 5
+    ex.step()  # a is done: rescheduled at once, b is asked to stop
+    assert ex.jobs["a"].state is JobState.SUCCEEDED
+    assert ex.jobs["b"].state is JobState.STOPPING and ex.jobs["b"].target == (0, 0, 0)
+    ex.step()  # b exited with 143 and is relaunched on all slots
+    assert backend.launched[-1] == ("b", 3, (0, 1, 2), 2)
+    handle_of(ex, "b").exit_code = 0
+    ex.step()
+    assert ex.done and ex.jobs["b"].state is JobState.SUCCEEDED
+    status = {s["name"]: s for s in ex.status()}
+    assert status["b"]["restarts"] == 1 and status["b"]["launches"] == 2 and status["a"]["restarts"] == 0
+    assert ex.state.job_ids() == []  # finished jobs leave the scheduler
+
+
+def test_relaunch_waits_until_devices_are_free(tmp_path):
+    backend = FakeBackend(obedient=False)
+    ex, clock = make_executor(backend)
+    ex.submit(spec("a", tmp_path))
+    ex.step()
+    assert backend.launched == [("a", 3, (0, 1, 2), 1)]
+    clock.now += 1
+    ex.submit(spec("b", tmp_path))
+    ex.step()  # a must shrink to 2; it has not exited yet, so b cannot start
+    assert ex.jobs["a"].state is JobState.STOPPING and len(backend.launched) == 1
+    clock.now += 31
+    ex.step()  # past the grace period: killed
+    assert handle_of(ex, "a").killed
+    ex.step()
+    assert sorted(backend.launched[1:]) == [("a", 2, (0, 1), 2), ("b", 1, (2,), 1)]
+
+
+def test_crashed_jobs_are_relaunched_with_backoff_then_failed(tmp_path):
+    backend = FakeBackend()
+    ex, clock = make_executor(backend, slots=1)
+    ex.submit(spec("a", tmp_path, max_replicas=1, max_failures=2))
+    ex.step()
+    for failure in (1, 2):
+        handle_of(ex, "a").exit_code = 1
+        ex.step()
+        assert ex.jobs["a"].state is JobState.PENDING and ex.jobs["a"].failures == failure
+        clock.now += 2 ** (failure - 1) - 0.5
+        ex.step()
+        assert ex.jobs["a"].state is JobState.PENDING  # still backing off
+        clock.now += 0.5
+        ex.step()
+        assert ex.jobs["a"].state is JobState.RUNNING and len(backend.launched) == failure + 1
+    handle_of(ex, "a").exit_code = 1
+    ex.step()
+    assert ex.jobs["a"].state is JobState.FAILED and ex.done
+    assert ex.status()[0]["last_exit"] == 1
+
+
+def test_fixed_gang_policy_and_duplicate_names(tmp_path):
+    backend = FakeBackend()
+    ex, _ = make_executor(backend, policy=TiresiasPolicy(), slots=4)
+    ex.submit(spec("a", tmp_path, max_replicas=3))
+    ex.submit(spec("b", tmp_path, max_replicas=2))
+    ex.step()
+    assert backend.launched == [("a", 3, (0, 1, 2), 1)]  # b's gang does not fit yet
+    with pytest.raises(ValueError, match="already submitted"):
+        ex.submit(spec("a", tmp_path))
+
+
+class EchoHints:
+    """Hints parser double: accepts dicts with a job_id and a numeric progress."""
+
+    def __init__(self, data):
+        if not isinstance(data.get("progress"), (int, float)):
+            raise ValueError("progress must be a number")
+        self.data = dict(data)
+
+    def to_dict(self):
+        return dict(self.data)
+
+
+def test_hints_files_are_read_into_the_state(tmp_path):
+    backend = FakeBackend()
+    ex, _ = make_executor(backend, state=SupervisorState(hints_parser=EchoHints))
+    job = spec("a", tmp_path)
+    ex.submit(job)
+    ex.step()
+    os.makedirs(job.share_dir, exist_ok=True)
+    with open(job.hints_paths[1], "w") as f:
+        json.dump({"job_id": "a", "progress": 12.5}, f)
+    ex.step()
+    assert ex.state.job("a").hints == {"job_id": "a", "progress": 12.5}
+    assert ex.status()[0]["progress"] == 12.5
+    with open(job.hints_paths[0], "w") as f:
+        json.dump({"job_id": "a", "progress": "lots"}, f)
+    os.utime(job.hints_paths[0], (time.time() + 5, time.time() + 5))
+    ex.step()  # invalid hints are ignored with a warning; the old ones stay
+    assert ex.state.job("a").hints["progress"] == 12.5
+
+
+# ------------------------------------------------------------------ job specs
+def test_job_spec_yaml_validation(tmp_path):
+    good = tmp_path / "job.yaml"
+    good.write_text("name: j1\ncommand: train.py --epochs 3\nmax_replicas: 4\ncheckpoint_dir: ck\n")
+    job = load_job_spec(str(good))
+    assert job.command == ("train.py", "--epochs", "3")
+    assert job.checkpoint_dir == str(tmp_path / "ck") and job.min_replicas == 1 and job.max_replicas == 4
+    cases = {
+        "name: j1\ncommand: [a.py]\ncheckpoint_dir: c\ncolor: red\n": "unknown job spec field",
+        "name: j1\ncheckpoint_dir: c\n": "missing",
+        "name: j1\ncommand: [a.py]\ncheckpoint_dir: c\nmin_replicas: 3\nmax_replicas: 2\n": "max_replicas",
+        "name: 'bad name'\ncommand: [a.py]\ncheckpoint_dir: c\n": "job_id must match",
+        "name: j1\ncommand: []\ncheckpoint_dir: c\n": "command must be",
+        "name: j1\ncommand: [a.py]\ncheckpoint_dir: c\nenv: [1]\n": "env must be a mapping",
+        "[unclosed": "not valid YAML",
+    }
+    for text, message in cases.items():
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_job_spec(str(path))
+
+
+def test_spool_submit_take_and_cli_status(tmp_path, capsys):
+    workdir = tmp_path / "work"
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: j1\ncommand: [train.py]\ncheckpoint_dir: ck\n")
+    assert executor_main(["submit", "--workdir", str(workdir), str(job_file)]) == 0
+    assert "submitted j1" in capsys.readouterr().out
+    spool = Spool(str(workdir))
+    bad = workdir / "inbox" / "broken.yaml"
+    bad.write_text("name: j2\n")
+    taken = spool.take_new()
+    assert [s.name for s in taken] == ["j1"] and taken[0].checkpoint_dir == str(tmp_path / "ck")
+    assert "job spec is missing" in (workdir / "rejected" / "broken.yaml.reason").read_text()
+    assert executor_main(["submit", "--workdir", str(workdir), str(job_file)]) == 2
+    assert "already submitted" in capsys.readouterr().err
+    spool.write_status([{"name": "j1", "state": "running", "replicas": 2, "target_replicas": 2,
+                         "restarts": 0, "failures": 0, "progress": 3.0}], slots=4)
+    assert executor_main(["status", "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out
+    assert "j1" in out and "running" in out
+    assert executor_main(["status", "--workdir", str(workdir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["slots"] == 4
+
+
+# ------------------------------------------------------------- local backend
+HELPER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    ignore = os.environ.get("IGNORE_TERM") == "1"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else (lambda *a: sys.exit(143)))
+    with open(os.environ["OUT_FILE"], "w") as f:
+        json.dump({"argv": sys.argv[1:], "job": os.environ["ADAPTIVE_JOB_ID"],
+                   "ckpt": os.environ["ADAPTIVE_CHECKPOINT_PATH"],
+                   "share": os.environ["ADAPTIVE_SHARE_PATH"]}, f)
+    print("ready", flush=True)
+    time.sleep(30)
+""")
+
+
+def wait_exit(backend, handle, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = backend.poll(handle)
+        if code is not None:
+            return code
+        time.sleep(0.05)
+    raise AssertionError("process did not exit in time")
+
+
+def wait_file(path, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) or not open(path).read():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_local_backend_runs_stops_and_kills_process_groups(tmp_path, ignore_term):
+    helper = tmp_path / "helper.py"
+    helper.write_text(HELPER)
+    backend = LocalBackend(str(tmp_path / "logs"), launcher=[sys.executable, str(helper)])
+    out = tmp_path / "out.json"
+    job = JobSpec(name="j1", command=("train.py", "--x", "1"), checkpoint_dir=str(tmp_path / "ck"),
+                  env={"OUT_FILE": str(out), "IGNORE_TERM": "1" if ignore_term else "0"})
+    handle = backend.launch(job, Assignment((0, 0), (0, 1)), attempt=1)
+    try:
+        wait_file(str(out))
+        seen = json.loads(out.read_text())
+        assert seen["argv"] == ["--standalone", "--nproc-per-node=2", "train.py", "--x", "1"]
+        assert seen["job"] == "j1" and seen["ckpt"] == job.checkpoint_dir and seen["share"] == job.share_dir
+        assert backend.poll(handle) is None
+        backend.stop(handle)
+        if ignore_term:
+            time.sleep(0.3)
+            assert backend.poll(handle) is None
+            backend.kill(handle)
+            assert wait_exit(backend, handle) == 137
+        else:
+            assert wait_exit(backend, handle) == 143
+    finally:
+        backend.kill(handle)
+        handle.process.wait(timeout=10)
+    assert "ready" in open(handle.log_path).read()
+    with pytest.raises(ValueError, match="one node"):
+        backend.launch(job, Assignment((0, 1), (0, 0)), attempt=2)
+
+
+# ------------------------------------------------------ real training processes
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = textwrap.dedent("""
+    import json, os, time
+    import numpy as np
+    import torch
+    import adaptive
+
+    OUT = os.environ["OUT_DIR"]
+    SAMPLES, BATCH, EPOCHS = 240, 24, int(os.environ["EPOCHS"])
+    SLEEP = float(os.environ["STEP_SLEEP"])
+
+    class Indices(torch.utils.data.Dataset):
+        def __len__(self):
+            return SAMPLES
+
+        def __getitem__(self, i):
+            return torch.tensor([i / SAMPLES]), torch.tensor([2.0 * i / SAMPLES]), i
+
+    adaptive.init_process_group("gloo")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = adaptive.AdaptiveDataParallel(model, optimizer)
+    loader = adaptive.AdaptiveDataLoader(Indices(), batch_size=BATCH, shuffle=True, seed=3)
+    seen = adaptive.Accumulator()
+    for epoch in adaptive.remaining_epochs_until(EPOCHS):
+        for x, y, index in loader:
+            loss = (model(x) - y).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen["count"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            time.sleep(SLEEP)
+        with seen.synchronized():
+            if rank == 0:
+                counts = seen["count"]
+                with open(os.path.join(OUT, "epochs.jsonl"), "a") as f:
+                    f.write(json.dumps({"epoch": epoch, "world": world, "missing": int((counts == 0).sum()),
+                                        "extra": int((counts - 1).clip(min=0).sum())}) + "\\n")
+            seen.clear()
+""")
+
+
+@pytest.mark.distributed
+def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
+    if not hasattr(pytest.importorskip("adaptive"), "AdaptiveDataLoader"):
+        pytest.skip("the elastic core (adaptive.AdaptiveDataLoader) is not available")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    specs = []
+    for name, epochs, sleep in (("short", 2, 0.02), ("long", 6, 0.15)):
+        out = tmp_path / name
+        out.mkdir()
+        specs.append(JobSpec(name=name, command=(str(script),), checkpoint_dir=str(tmp_path / f"{name}-ckpt"),
+                             max_replicas=3, max_failures=0,
+                             env={"OUT_DIR": str(out), "EPOCHS": str(epochs), "STEP_SLEEP": str(sleep),
+                                  "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}))
+    backend = LocalBackend(str(tmp_path / "logs"))
+    ex = Executor(backend, EqualShare(), ClusterSpec(1, 3), interval=600, grace_period=60)
+    for spec_ in specs:
+        ex.submit(spec_)
+    deadline = time.monotonic() + 300
+    try:
+        while not ex.done:
+            assert time.monotonic() < deadline, f"jobs did not finish: {ex.status()}"
+            ex.step()
+            time.sleep(0.2)
+    finally:
+        ex.shutdown(timeout=30)
+    status = {s["name"]: s for s in ex.status()}
+    assert status["short"]["state"] == "succeeded" and status["long"]["state"] == "succeeded", status
+    assert status["short"]["launches"] == 1
+    assert status["long"]["launches"] == 2 and status["long"]["failures"] == 0  # stopped once to scale up
+    for name, epochs in (("short", 2), ("long", 6)):
+        records = [json.loads(line) for line in open(tmp_path / name / "epochs.jsonl")]
+        assert [r["epoch"] for r in records] == list(range(epochs)), records
+        assert all(r["missing"] == 0 and r["extra"] == 0 for r in records), records
+    worlds = [json.loads(line)["world"] for line in open(tmp_path / "long" / "epochs.jsonl")]
+    assert worlds[0] == 1 and worlds[-1] == 3, worlds
