@@ -144,13 +144,13 @@ def _subprocess(args: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes")
-    parser.add_argument("--target", type=float, default=0.62)
+    parser.add_argument("--target", type=float, default=0.655)
     parser.add_argument("--json", default=str(HERE / "results" / "bench_time_to_target.json"))
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rule", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    max_samples, eval_every = 40 * 40_000, 4_096
+    max_samples, eval_every = 20 * 40_000, 2_048
     if args.run == "fixed":
         print(json.dumps(run_fixed(args.batch, args.rule, args.target, max_samples, eval_every)))
         return
