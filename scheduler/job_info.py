@@ -16,10 +16,6 @@ from scheduler.speedup import SpeedupCache, SpeedupFunction
 
 logger = logging.getLogger(__name__)
 
-#: A job may be given at most this many times the replicas its throughput
-#: model has seen, so the model is never trusted far outside its data.
-EXPLORATION_FACTOR = 2
-
 
 @dataclass
 class JobInfo:
@@ -36,6 +32,9 @@ class JobInfo:
         num_restarts: reallocations after the first start.
         speedup_fn: speedup by (nodes, replicas); ``None`` until the job has
             reported a throughput model (then speedup is assumed linear).
+        profiled_replicas: largest replica count its throughput model has
+            seen (0: none yet); goodput-driven policies explore from there.
+            ``None`` when not applicable (fixed-size jobs).
     """
 
     name: str
@@ -46,6 +45,7 @@ class JobInfo:
     attained_service: float = 0.0
     num_restarts: int = 0
     speedup_fn: Optional[SpeedupFunction] = None
+    profiled_replicas: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -59,12 +59,11 @@ class JobInfo:
         return not self.preemptible and bool(current)
 
 
-def replica_limit(max_replicas: int, max_profiled_replicas: int, max_batch_size: Optional[int] = None,
-                  local_bsz_bounds: Optional[Sequence[Optional[int]]] = None,
-                  exploration_factor: int = EXPLORATION_FACTOR) -> int:
-    """Most replicas a job may get: its own limit, ``exploration_factor`` times
-    what its throughput model has seen, and what its batch limits allow."""
-    limit = min(max_replicas, max(1, exploration_factor * int(max_profiled_replicas)))
+def batch_replica_limit(max_replicas: int, max_batch_size: Optional[int] = None,
+                        local_bsz_bounds: Optional[Sequence[Optional[int]]] = None) -> int:
+    """Most replicas a job may use: its own limit, and no more than its
+    largest batch can feed with the smallest local batch."""
+    limit = max_replicas
     low = local_bsz_bounds[0] if local_bsz_bounds is not None else None
     if max_batch_size is not None and low:
         limit = min(limit, max(1, int(max_batch_size) // int(low)))
@@ -76,16 +75,14 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
                         gradient_accumulation: bool, max_profiled_replicas: int,
                         min_replicas: int = 0, max_replicas: int = 64, preemptible: bool = True,
                         attained_service: float = 0.0, num_restarts: int = 0,
-                        exploration_factor: int = EXPLORATION_FACTOR,
                         speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
     """A :class:`JobInfo` for a job whose goodput model is ``goodput_fn``
     (``None``: no throughput model yet, so speedup is assumed linear)."""
-    limit = replica_limit(max_replicas, max_profiled_replicas, max_batch_size, local_bsz_bounds,
-                          exploration_factor)
+    limit = batch_replica_limit(max_replicas, max_batch_size, local_bsz_bounds)
     speedup_fn = None
     if goodput_fn is not None:
+        profiled = max(int(max_profiled_replicas), 1)
         try:
-            profiled = max(int(max_profiled_replicas), 1)
             if speedup_cache is not None:
                 speedup_fn = speedup_cache.get(name, goodput_fn, max_batch_size, local_bsz_bounds,
                                                gradient_accumulation, profiled)
@@ -96,18 +93,17 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
             logger.warning("job %s: ignoring its goodput model: %s", name, exc)
     return JobInfo(name=name, submission_time=submission_time, min_replicas=min_replicas,
                    max_replicas=max(limit, min_replicas, 1), preemptible=preemptible,
-                   attained_service=attained_service, num_restarts=num_restarts, speedup_fn=speedup_fn)
+                   attained_service=attained_service, num_restarts=num_restarts, speedup_fn=speedup_fn,
+                   profiled_replicas=int(max_profiled_replicas))
 
 
 def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
                         max_replicas: int = 64, preemptible: bool = True, attained_service: float = 0.0,
-                        num_restarts: int = 0, exploration_factor: int = EXPLORATION_FACTOR,
-                        speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
+                        num_restarts: int = 0, speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
     """A :class:`JobInfo` from a job's reported :class:`adaptive.hints.Hints`
-    (``None`` if it has not reported yet: one replica, unless it needs more)."""
+    (``None`` if it has not reported yet: nothing profiled, no model)."""
     common = dict(submission_time=submission_time, min_replicas=min_replicas, max_replicas=max_replicas,
-                  preemptible=preemptible, attained_service=attained_service, num_restarts=num_restarts,
-                  exploration_factor=exploration_factor)
+                  preemptible=preemptible, attained_service=attained_service, num_restarts=num_restarts)
     if hints is None:
         return job_info_from_model(name, None, max_batch_size=None, local_bsz_bounds=None,
                                    gradient_accumulation=False, max_profiled_replicas=0, **common)

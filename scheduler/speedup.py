@@ -18,7 +18,7 @@ extrapolates how synchronisation cost grows, which it learned from few
 points and often overestimates. There the speedup is computed with the
 synchronisation time held at its value for the profiled count (optimism
 in the face of uncertainty): the job gets to try, the policy caps how far
-(:data:`scheduler.job_info.EXPLORATION_FACTOR`), and its model learns.
+(``GoodputPolicy(exploration_factor=...)``), and its model learns.
 """
 
 from __future__ import annotations

@@ -80,10 +80,6 @@ def spec(name, tmp_path, max_replicas=3, **kw):
                    max_replicas=max_replicas, **kw)
 
 
-def running(backend, name):
-    return [h for h in backend.handles if h.name == name]
-
-
 def make_executor(backend, policy=None, slots=3, **kw):
     clock = Clock()
     ex = Executor(backend, policy or EqualShare(), ClusterSpec(1, slots), interval=60, grace_period=30,

@@ -6,7 +6,7 @@ import pytest
 
 from scheduler.cluster import ClusterSpec
 from scheduler.policies import TiresiasPolicy
-from scheduler.profiles import ModelProfile, ModelSettings, load_profiles
+from scheduler.profiles import ModelProfile, ModelSettings
 from scheduler.simulate import main as simulate_main
 from scheduler.simulate import run_simulation
 from scheduler.simulator import Simulator

@@ -83,7 +83,7 @@ def test_hints_round_trip_and_allocation(served):
     assert client.get_allocation("job-a") == ((), 0)
     Allocator(GoodputPolicy(), ClusterSpec(1, 4), state).step(now=100.0)
     allocation, version = client.get_allocation("job-a")
-    assert len(allocation) == 4 and version == 1  # 2 profiled replicas -> may explore up to 4
+    assert len(allocation) == 4 and version == 1  # 2 profiled replicas, explores 4x: all 4 GPUs
     assert client.jobs()["job-a"]["allocation"] == list(allocation)
 
 

@@ -5,11 +5,18 @@ batch size it would pick) over its goodput on one device
 (:class:`scheduler.speedup.SpeedupFunction`). The policy maximises the
 power mean (exponent ``p``, ``p = -1`` by default: fairness-leaning) of
 the jobs' speedups, each scaled by its speedup at a fair share of the
-cluster, as Pollux does. A job whose allocation changes pays for the
-restart: its speedup is multiplied by ``(age - restarts * delay) /
-(age + delay)``, the share of its life it would have spent running had it
-restarted once more, so young or often-moved jobs are moved less (a job
-that is waiting pays nothing extra to start).
+cluster, as Pollux does.
+
+Restart cost. Moving a running job costs it ``delay`` seconds. Job lengths
+are unknown, so the policy expects a job to run about as long again as it
+has existed (``age``); a move then keeps ``(age - (restarts + 1) * delay) /
+age`` of its speed over that horizon, counting its past restarts so that
+often-moved jobs are moved less. A waiting job pays nothing extra to start.
+
+Exploration. A job gets at most ``exploration_factor`` times the replicas
+its throughput model has seen (one replica before it has a model), and
+beyond what it has seen its speedup assumes no further growth of
+synchronisation cost, so that it scales up quickly and learns.
 
 Pollux searches this space with a genetic algorithm. Here, instead:
 
@@ -18,14 +25,15 @@ Pollux searches this space with a genetic algorithm. Here, instead:
    looking at every larger count (not only ``+1``) so that non-concave
    speedups and the restart cost do not trap the search. This is exact
    for concave utilities and cheap: one vectorised pass per grant.
-2. **Placement.** Jobs that keep their count keep their GPUs (no
-   restart). Others are placed largest first: multi-node jobs on whole
-   free nodes plus one partial node that hosts no other multi-node job
-   (interference avoidance), single-node jobs on the fullest node that
-   fits (best fit, to keep whole nodes free). A job that cannot be placed
-   gets its count capped and the counts are recomputed.
-3. **Local search.** Moves of GPUs from one job to another are tried
+2. **Local search.** Moves of GPUs from one job to another are tried
    while they raise the objective.
+3. **Placement.** Jobs that keep their count keep their GPUs (no
+   restart). Others are placed largest first: multi-node jobs on whole
+   free nodes plus at most one partial node that hosts no other
+   multi-node job (interference avoidance), single-node jobs on the
+   fullest node that fits (best fit, keeping whole nodes free; never
+   split). A job that cannot be placed gets its count capped and the
+   counts are recomputed.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ class GoodputPolicy(Policy):
             to fairness, ``0`` is the geometric mean, ``1`` the sum).
         restart_penalty: seconds a reallocation costs a job (for the
             restart factor).
+        exploration_factor: most replicas as a multiple of those a job's
+            throughput model has seen (>= 1).
         local_search_passes: improvement passes after the greedy.
     """
 
@@ -60,25 +70,19 @@ class GoodputPolicy(Policy):
     adaptive = True
     avoids_interference = True
 
-    def __init__(self, p: float = -1.0, restart_penalty: float = 30.0, min_age: float = 0.0,
-                 las_scale: float = 3600.0, las_exponent: float = 0.0, change_margin: float = 0.0,
-                 restart_model: str = "pollux", normalize: str = "fair", local_search_passes: int = 2):
+    def __init__(self, p: float = -1.0, restart_penalty: float = 30.0, exploration_factor: float = 4.0,
+                 local_search_passes: int = 2):
         if p > 1:
             raise ValueError(f"p must be <= 1 (a concave power mean), got {p}")
         if restart_penalty < 0:
-            raise ValueError(f"restart_penalty must be >= 0, got {restart_penalty}")
+            raise ValueError(f"restart_penalty must be >= 0 seconds, got {restart_penalty}")
+        if exploration_factor < 1:
+            raise ValueError(f"exploration_factor must be >= 1, got {exploration_factor}")
         if local_search_passes < 0:
             raise ValueError(f"local_search_passes must be >= 0, got {local_search_passes}")
-        if min_age < 0:
-            raise ValueError(f"min_age must be >= 0 seconds, got {min_age}")
         self.p = float(p)
         self.restart_penalty = float(restart_penalty)
-        self.min_age = float(min_age)
-        self.las_scale = float(las_scale)
-        self.las_exponent = float(las_exponent)
-        self.change_margin = float(change_margin)
-        self.restart_model = restart_model
-        self.normalize = normalize
+        self.exploration_factor = float(exploration_factor)
         self.local_search_passes = int(local_search_passes)
 
     # ----------------------------------------------------------------- public
@@ -93,8 +97,7 @@ class GoodputPolicy(Policy):
         free = free_gpus(cluster, pinned)
         capacity = sum(free)
         utility = self._utility_table(names, jobs, cluster, current, now, capacity)
-        caps = np.array([min(jobs[n].max_replicas, capacity) for n in names])
-        counts = np.zeros(len(names), dtype=int)
+        caps = np.array([min(self._replica_cap(jobs[n]), capacity) for n in names])
         for _ in range(len(names) + 1):
             counts = _greedy_counts(utility, caps, capacity)
             counts = _local_search(utility, counts, caps, capacity, self.local_search_passes)
@@ -118,16 +121,22 @@ class GoodputPolicy(Policy):
         for i, name in enumerate(names):
             job = jobs[name]
             speedup = self._speedups(job, reps, cluster.gpus_per_node, current.get(name, ()))
-            base = self._speedups(job, np.array([fair if self.normalize == "fair" else 1]), cluster.gpus_per_node, ())[0]
+            base = self._speedups(job, np.array([fair]), cluster.gpus_per_node, ())[0]
             scaled = speedup / max(base, 1e-12) / cluster.gpus_per_node
             held = len(current.get(name, ()))
             if held:  # moving a running job costs it a restart; starting a waiting one costs nothing extra
-                factor = self._restart_factor(job, now) * (1.0 - self.change_margin)
-                scaled = np.where((reps != held) & (reps > 0), scaled * factor, scaled)
-            allowed = (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= job.max_replicas))
-            weight = (1.0 + job.attained_service / self.las_scale) ** -self.las_exponent
-            table[i] = np.where(allowed, weight * self._u(scaled), -np.inf)
+                scaled = np.where((reps != held) & (reps > 0), scaled * self._restart_factor(job, now), scaled)
+            allowed = (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= self._replica_cap(job)))
+            table[i] = np.where(allowed, self._u(scaled), -np.inf)
         return table
+
+    def _replica_cap(self, job: JobInfo) -> int:
+        """``max_replicas``, and at most ``exploration_factor`` times what the
+        job's throughput model has seen (never below ``min_replicas``)."""
+        if job.profiled_replicas is None:
+            return job.max_replicas
+        explore = max(1, int(self.exploration_factor * job.profiled_replicas))
+        return max(min(job.max_replicas, explore), job.min_replicas)
 
     @staticmethod
     def _speedups(job: JobInfo, reps: np.ndarray, gpus_per_node: int, held: Allocation) -> np.ndarray:
@@ -145,13 +154,13 @@ class GoodputPolicy(Policy):
         return out
 
     def _restart_factor(self, job: JobInfo, now: float) -> float:
+        """Share of its speed a running job keeps over its expected remaining
+        time (about its age) if it is restarted now."""
         delay = self.restart_penalty
-        age = max(now - job.submission_time, self.min_age)
         if delay == 0:
             return 1.0
-        if self.restart_model == "lindy":
-            return max(age - (job.num_restarts + 1) * delay, 0.0) / max(age, delay)
-        return max(age - job.num_restarts * delay, 0.0) / (age + delay)
+        age = max(now - job.submission_time, 0.0)
+        return max(age - (job.num_restarts + 1) * delay, 0.0) / max(age, delay)
 
     def _u(self, x: np.ndarray) -> np.ndarray:
         """Per-job utility whose sum ranks allocations like the power mean."""
