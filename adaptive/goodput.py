@@ -448,88 +448,128 @@ def _params_from_vector(x: np.ndarray) -> Tuple[np.ndarray, float]:
     return np.exp(x[:6]), 1.0 + (GAMMA_MAX - 1.0) / (1.0 + math.exp(-x[6]))
 
 
-def _predict(x: np.ndarray, obs: _Observations) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    (a_c, b_c, a_n, b_n, a_r, b_r), gamma = _params_from_vector(x)
+def _gammas(xs: np.ndarray) -> np.ndarray:
+    """gamma of each row of a batch of search vectors, as a column."""
+    return 1.0 + (GAMMA_MAX - 1.0) / (1.0 + np.exp(-xs[:, 6:7]))
+
+
+def _predict(xs: np.ndarray, obs: _Observations) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step, compute and sync times of every observation (columns) under
+    every search vector in ``xs`` (rows): one vectorised pass per batch."""
+    a_c, b_c, a_n, b_n, a_r, b_r = np.exp(xs[:, :6]).T[:, :, None]
     compute = a_c + b_c * obs.local_bsz
     extra = np.maximum(obs.replicas - 2.0, 0.0)
     sync = np.where(obs.replicas > 1, np.where(obs.nodes > 1, a_n + b_n * extra, a_r + b_r * extra), 0.0)
-    step = (obs.accum - 1.0) * compute + _overlap(compute, sync, gamma)
+    step = (obs.accum - 1.0) * compute + _overlap(compute, sync, _gammas(xs))
     return step, compute, sync
 
 
 class _FitProblem:
-    """Residuals (log errors plus priors) of the step-time model."""
+    """Residuals (log errors plus priors) of the step-time model, evaluated
+    for a batch of search vectors at once (rows), so that a finite-difference
+    Jacobian costs one call."""
 
     def __init__(self, obs: _Observations) -> None:
         self.obs = obs
         self.compute_mask = np.isfinite(obs.compute) & (obs.compute > 0)
         self.sync_mask = np.isfinite(obs.sync) & (obs.sync > 0) & (obs.replicas > 1)
+        self.log_step = np.log(obs.step)
+        self.log_compute = np.log(obs.compute[self.compute_mask])
+        self.log_sync = np.log(obs.sync[self.sync_mask])
         self.data_weights = np.ones(len(obs.step) + int(self.compute_mask.sum()) + int(self.sync_mask.sum()))
-        self.priors = self._priors()
+        self.prior_matrix, self.prior_offset = self._priors()
 
-    def _priors(self) -> List[Callable[[np.ndarray], float]]:
-        """Pseudo-residuals for directions the observations cannot decide."""
-        obs, priors = self.obs, []
+    def _priors(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Pseudo-residuals for directions the observations cannot decide,
+        as rows ``a`` and offsets ``c`` of linear terms ``a . x - c`` (the
+        pull of gamma towards 1 is added separately)."""
+        obs, rows = self.obs, []
+
+        def prior(offset: float = 0.0, **coefficients: float) -> None:
+            row = np.zeros(8)
+            for index, value in coefficients.items():
+                row[int(index[1:])] = value
+            row[7] = offset
+            rows.append(row)
+
         multi = obs.replicas > 1
         one_node, many_nodes = multi & (obs.nodes == 1), multi & (obs.nodes > 1)
         tiny = math.log(_TINY_TIME)
         if np.unique(obs.local_bsz).size <= 1:
             # One local batch size: split its compute time evenly between the
             # fixed and the per-sample part.
-            log_m = math.log(float(np.mean(obs.local_bsz)))
-            priors.append(lambda x: x[0] - (x[1] + log_m))
+            prior(math.log(float(np.mean(obs.local_bsz))), x0=1.0, x1=-1.0)
         # Regime parameters: (alpha index, beta index, observed, observed with > 2 replicas).
         for alpha, beta, mask, other in ((4, 5, one_node, many_nodes), (2, 3, many_nodes, one_node)):
             if not mask.any():
                 if other.any():  # assume the unseen link costs what the seen one does
-                    priors.append(lambda x, a=alpha, o=6 - alpha: x[a] - x[o])
-                    priors.append(lambda x, b=beta, o=8 - beta: x[b] - x[o])
+                    prior(**{f"x{alpha}": 1.0, f"x{6 - alpha}": -1.0})
+                    prior(**{f"x{beta}": 1.0, f"x{8 - beta}": -1.0})
                 else:
-                    priors.append(lambda x, a=alpha: x[a] - tiny)
-                    priors.append(lambda x, b=beta: x[b] - tiny)
+                    prior(tiny, **{f"x{alpha}": 1.0})
+                    prior(tiny, **{f"x{beta}": 1.0})
             elif not (obs.replicas[mask] > 2).any():
-                priors.append(lambda x, b=beta: x[b] - tiny)
-        priors.append(lambda x: _params_from_vector(x)[1] - 1.0)  # prefer less overlap (pessimistic)
-        return priors
+                prior(tiny, **{f"x{beta}": 1.0})
+        table = np.array(rows).reshape(-1, 8)
+        return table[:, :7], table[:, 7]
 
-    def data_residuals(self, x: np.ndarray) -> np.ndarray:
-        step, compute, sync = _predict(x, self.obs)
-        parts = [np.log(step) - np.log(self.obs.step),
-                 np.log(compute[self.compute_mask]) - np.log(self.obs.compute[self.compute_mask]),
-                 0.5 * (np.log(np.maximum(sync[self.sync_mask], 1e-300)) - np.log(self.obs.sync[self.sync_mask]))]
-        return np.concatenate(parts)
+    def data_residuals(self, xs: np.ndarray) -> np.ndarray:
+        step, compute, sync = _predict(np.atleast_2d(xs), self.obs)
+        parts = [np.log(step) - self.log_step,
+                 np.log(compute[:, self.compute_mask]) - self.log_compute,
+                 0.5 * (np.log(np.maximum(sync[:, self.sync_mask], 1e-300)) - self.log_sync)]
+        return np.concatenate(parts, axis=1)
 
-    def residuals(self, x: np.ndarray) -> np.ndarray:
-        prior = np.array([p(x) for p in self.priors]) * _PRIOR_WEIGHT
-        return np.concatenate([self.data_weights * self.data_residuals(x), prior])
+    def robust_cost(self, x: np.ndarray) -> float:
+        """Huber loss of the data residuals plus the squared priors: what
+        fits from different starting points are ranked by."""
+        err = np.abs(self.data_residuals(x)[0])
+        huber = np.where(err <= _HUBER_DELTA, err ** 2, 2.0 * _HUBER_DELTA * err - _HUBER_DELTA ** 2)
+        prior = self.residuals(x)[0, self.data_weights.size:]
+        return float(huber.sum() + prior @ prior)
+
+    def residuals(self, xs: np.ndarray) -> np.ndarray:
+        """Weighted residuals, one row per search vector in ``xs``."""
+        xs = np.atleast_2d(xs)
+        linear = xs @ self.prior_matrix.T - self.prior_offset
+        overlap = _gammas(xs) - 1.0  # prefer less overlap (pessimistic)
+        prior = np.concatenate([linear, overlap], axis=1) * _PRIOR_WEIGHT
+        return np.concatenate([self.data_weights * self.data_residuals(xs), prior], axis=1)
 
 
 def _levenberg_marquardt(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray,
-                         max_iter: int = 200) -> Tuple[np.ndarray, float]:
-    """Minimise ``|fun(x)|^2`` (forward-difference Jacobian, Marquardt damping)."""
+                         max_iter: int = 100, rtol: float = 1e-9) -> Tuple[np.ndarray, float]:
+    """Minimise ``|fun(x)|^2`` (forward-difference Jacobian, Marquardt
+    damping); ``fun`` maps a batch of vectors (rows) to residual rows.
+
+    Stops when an accepted step lowers the cost by less than ``rtol``
+    relative to it: the model is a few-percent approximation of noisy
+    timings, so polishing further only costs time.
+    """
     lower = np.array([_LOG_LIMITS[0]] * 6 + [-_Z_GAMMA_LIMIT])
     upper = np.array([_LOG_LIMITS[1]] * 6 + [_Z_GAMMA_LIMIT])
     x = np.clip(x0, lower, upper)
-    r = fun(x)
+    r = fun(x)[0]
     cost = float(r @ r)
     damping = 1e-3
     for _ in range(max_iter):
-        jac = np.empty((r.size, x.size))
-        for j in range(x.size):
-            h = 1e-6 * max(1.0, abs(x[j]))
-            xh = x.copy()
-            xh[j] += h
-            jac[:, j] = (fun(xh) - r) / h
+        steps = 1e-6 * np.maximum(1.0, np.abs(x))
+        jac = ((fun(x + np.diag(steps)) - r) / steps[:, None]).T
         grad, hess = jac.T @ r, jac.T @ jac
-        diag = np.diag(hess) + 1e-12
+        # Variables held at a bound by the gradient stay there (projected
+        # steps), otherwise clipping would stall every step along them.
+        free = ~(((x <= lower) & (grad > 0)) | ((x >= upper) & (grad < 0)))
+        grad, hess = grad[free], hess[np.ix_(free, free)]
+        diag = np.diag(np.diag(hess) + 1e-12)
         for _ in range(30):
             try:
-                delta = np.linalg.solve(hess + damping * np.diag(diag), -grad)
+                delta = np.zeros_like(x)
+                delta[free] = np.linalg.solve(hess + damping * diag, -grad)
             except np.linalg.LinAlgError:
                 damping *= 10.0
                 continue
             x_new = np.clip(x + delta, lower, upper)
-            r_new = fun(x_new)
+            r_new = fun(x_new)[0]
             cost_new = float(r_new @ r_new)
             if np.isfinite(cost_new) and cost_new < cost:
                 break
@@ -539,7 +579,7 @@ def _levenberg_marquardt(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray
         improvement = cost - cost_new
         x, r, cost = x_new, r_new, cost_new
         damping = max(damping / 3.0, 1e-12)
-        if improvement <= 1e-14 * (1.0 + cost):
+        if improvement <= rtol * cost + 1e-15:
             break
     return x, cost
 
@@ -653,11 +693,14 @@ def fit_perf_params(num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_ste
         [_initial_vector(obs, gamma) for gamma in (1.2, 2.0, 4.0)]
     for x in starts:
         problem.data_weights[:] = 1.0
-        x, cost = _levenberg_marquardt(problem.residuals, x)
+        x, _ = _levenberg_marquardt(problem.residuals, x)
         for _ in range(2):  # iteratively reweighted: Huber on the data residuals
-            err = np.abs(problem.data_residuals(x))
+            err = np.abs(problem.data_residuals(x)[0])
+            if np.all(err <= _HUBER_DELTA):
+                break
             problem.data_weights[:] = np.sqrt(np.minimum(1.0, _HUBER_DELTA / np.maximum(err, 1e-300)))
-            x, cost = _levenberg_marquardt(problem.residuals, x)
+            x, _ = _levenberg_marquardt(problem.residuals, x)
+        cost = problem.robust_cost(x)
         if cost < best_cost:
             best_x, best_cost = x, cost
     params, gamma = _params_from_vector(best_x)
