@@ -20,7 +20,7 @@ and batch-size limits as a small JSON document (format version 1)::
     }
 
 The document is written to ``hints.json`` in the checkpoint directory
-(atomically: temporary file, then ``os.replace``) and, when a scheduler
+(atomically, with :func:`adaptive.atomic_json.write_json_atomic`) and, when a scheduler
 URL is configured, POSTed to it as ``application/json``.  The scheduler
 rebuilds the job's :class:`adaptive.goodput.GoodputFunction` from it.
 """
@@ -31,12 +31,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
+from adaptive.atomic_json import write_json_atomic
 from adaptive.goodput import GoodputFunction, GradParams, PerfParams
 
 __all__ = ["HINTS_VERSION", "HINTS_FILENAME", "CurrentConfig", "Hints", "write_hints", "read_hints", "post_hints"]
@@ -242,21 +242,9 @@ def write_hints(hints: Hints, directory: Union[str, os.PathLike]) -> Path:
     if not isinstance(hints, Hints):
         raise ValueError(f"hints must be a Hints, got {type(hints).__name__}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     target = directory / HINTS_FILENAME
-    fd, tmp = tempfile.mkstemp(prefix=".hints.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(hints.to_json())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    # The same bytes as ``hints.to_json()`` (what post_hints sends).
+    write_json_atomic(target, hints.to_dict(), indent=None, sort_keys=False, allow_nan=False)
     return target
 
 

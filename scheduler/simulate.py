@@ -11,55 +11,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import random
 import sys
 from typing import List, Optional
 
-import numpy as np
-
+from adaptive.atomic_json import write_json_atomic
 from scheduler.cluster import ClusterSpec
-from scheduler.policies import POLICIES, make_policy
-from scheduler.profiles import DEFAULT_TRACES_DIR, DEFAULT_WORKLOADS_DIR, load_profiles
-from scheduler.simulator import SimulationResult, Simulator
-from scheduler.workload import load_workload
+from scheduler.policies import POLICIES
+from scheduler.profiles import DEFAULT_TRACES_DIR
+from scheduler.simulator import resolve_workload, run_simulation
+
+__all__ = ["main", "resolve_workload", "run_simulation"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_workload(path: str) -> str:
-    """``path`` itself if it exists, else the bundled workload of that name."""
-    if os.path.exists(path):
-        return path
-    name = os.path.basename(path)
-    bundled = os.path.join(DEFAULT_WORKLOADS_DIR, name if name.endswith(".csv") else name + ".csv")
-    if os.path.exists(bundled):
-        return bundled
-    available = sorted(f[:-4] for f in os.listdir(DEFAULT_WORKLOADS_DIR) if f.endswith(".csv"))
-    raise FileNotFoundError(f"workload not found: {path} (bundled: {available})")
-
-
-def run_simulation(workload: str, policy: str, traces: str = DEFAULT_TRACES_DIR,
-                   interval: float = 60.0, restart_penalty: float = 30.0,
-                   cluster: Optional[ClusterSpec] = None, seed: int = 0,
-                   record_timeline: bool = False) -> SimulationResult:
-    """Load inputs, simulate, return the result (the CLI without printing).
-
-    ``seed`` seeds Python's and NumPy's global generators before the run so
-    that any randomised policy is reproducible; the simulator and the
-    built-in policies are deterministic.
-    """
-    random.seed(seed)
-    np.random.seed(seed)
-    profiles = load_profiles(traces)
-    jobs = load_workload(resolve_workload(workload), applications=profiles)
-    options = {"restart_penalty": restart_penalty} if POLICIES[policy].adaptive else {}
-    sim = Simulator(jobs, profiles, make_policy(policy, **options), cluster=cluster,
-                    interval=interval, restart_penalty=restart_penalty,
-                    record_timeline=record_timeline)
-    return sim.run()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,10 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"(decision {summary['decision_time_mean'] * 1e3:.1f} ms mean, "
           f"{summary['decision_time_max'] * 1e3:.1f} ms max), wall {result.wall_time:.1f} s")
     if args.json:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(parent, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+        write_json_atomic(args.json, summary, indent=2)
     return 0
 
 

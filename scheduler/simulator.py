@@ -9,11 +9,17 @@ profile gives (:mod:`scheduler.sim_job`). A job's completion time (JCT) is
 its finish time minus its submission time, so it includes the wait for the
 next round. The makespan is the last finish time minus the first
 submission time.
+
+:func:`run_simulation` loads the traces and a workload CSV (a path or a
+bundled ``workload-N``) and runs a :class:`Simulator`; it is what
+``python -m scheduler.simulate`` calls.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -22,11 +28,12 @@ import numpy as np
 
 from scheduler.cluster import Allocation, ClusterSpec, check_allocations
 from scheduler.job_info import JobInfo, job_info_from_model
+from scheduler.policies import POLICIES, make_policy
 from scheduler.policies.base import Policy
-from scheduler.profiles import ModelProfile
+from scheduler.profiles import DEFAULT_TRACES_DIR, DEFAULT_WORKLOADS_DIR, ModelProfile, load_profiles
 from scheduler.sim_job import SimulatedJob, ThroughputModels
 from scheduler.speedup import SpeedupCache
-from scheduler.workload import WorkloadJob
+from scheduler.workload import WorkloadJob, load_workload
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +180,36 @@ class Simulator:
             gradient_accumulation=True, max_profiled_replicas=job.max_profiled_replicas,
             max_replicas=self.cluster.total_gpus, attained_service=job.attained_service,
             num_restarts=job.num_restarts, speedup_cache=self._speedups)
+
+
+def resolve_workload(path: str) -> str:
+    """``path`` itself if it exists, else the bundled workload of that name."""
+    if os.path.exists(path):
+        return path
+    name = os.path.basename(path)
+    bundled = os.path.join(DEFAULT_WORKLOADS_DIR, name if name.endswith(".csv") else name + ".csv")
+    if os.path.exists(bundled):
+        return bundled
+    available = sorted(f[:-4] for f in os.listdir(DEFAULT_WORKLOADS_DIR) if f.endswith(".csv"))
+    raise FileNotFoundError(f"workload not found: {path} (bundled: {available})")
+
+
+def run_simulation(workload: str, policy: str, traces: str = DEFAULT_TRACES_DIR,
+                   interval: float = 60.0, restart_penalty: float = 30.0,
+                   cluster: Optional[ClusterSpec] = None, seed: int = 0,
+                   record_timeline: bool = False) -> SimulationResult:
+    """Load inputs, simulate, return the result (the CLI without printing).
+
+    ``seed`` seeds Python's and NumPy's global generators before the run so
+    that any randomised policy is reproducible; the simulator and the
+    built-in policies are deterministic.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    profiles = load_profiles(traces)
+    jobs = load_workload(resolve_workload(workload), applications=profiles)
+    options = {"restart_penalty": restart_penalty} if POLICIES[policy].adaptive else {}
+    sim = Simulator(jobs, profiles, make_policy(policy, **options), cluster=cluster,
+                    interval=interval, restart_penalty=restart_penalty,
+                    record_timeline=record_timeline)
+    return sim.run()

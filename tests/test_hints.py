@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from adaptive.atomic_json import read_json, write_json_atomic
 from adaptive.goodput import GoodputFunction, GradParams, PerfParams
 from adaptive.hints import HINTS_FILENAME, CurrentConfig, Hints, post_hints, read_hints, write_hints
 
@@ -110,6 +111,25 @@ def test_write_is_atomic_and_readable(tmp_path):
     assert os.listdir(tmp_path / "ckpt") == [HINTS_FILENAME]  # no temporary files left behind
     with pytest.raises(ValueError, match="Hints"):
         write_hints(_valid(), tmp_path)
+
+
+def test_hints_file_holds_the_posted_bytes(tmp_path):
+    hints = Hints.from_dict(_valid())
+    path = write_hints(hints, tmp_path)
+    assert path.read_text(encoding="utf-8") == hints.to_json()
+
+
+def test_atomic_json_keeps_the_old_file_when_a_write_fails(tmp_path):
+    path = tmp_path / "sub" / "state.json"
+    assert write_json_atomic(path, {"b": 1, "a": [1.5]}) == path
+    assert read_json(path) == {"a": [1.5], "b": 1}
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"x": float("nan")}, allow_nan=False)
+    assert read_json(path) == {"a": [1.5], "b": 1}
+    assert os.listdir(path.parent) == ["state.json"]
+    path.write_text("{", encoding="utf-8")
+    with pytest.raises(ValueError, match="state.json"):
+        read_json(path)
 
 
 def test_post_hints_sends_json():

@@ -1,6 +1,9 @@
 """Trace simulator: time accounting, restarts, completion, reproduction of published results."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -101,3 +104,16 @@ def test_cli_writes_json(tmp_path, capsys):
     assert "avg JCT" in capsys.readouterr().out
     assert simulate_main(["no-such-workload", "--policy", "tiresias"]) == 2
     assert "workload not found" in capsys.readouterr().err
+
+
+def test_package_api_is_light_and_does_not_shadow_the_cli():
+    import scheduler
+    assert all(hasattr(scheduler, name) for name in scheduler.__all__)
+    assert scheduler.run_simulation is run_simulation
+    code = ("import sys, scheduler; "
+            "assert not [m for m in sys.modules if m.startswith(('scheduler.supervisor', 'scheduler.executor'))]")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True, cwd=repo)
+    # Importing the package must not import the CLI module that ``-m`` runs (runpy warns otherwise).
+    subprocess.run([sys.executable, "-W", "error", "-m", "scheduler.simulate", "--help"], check=True, cwd=repo,
+                   stdout=subprocess.DEVNULL)

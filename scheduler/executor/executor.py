@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from adaptive.atomic_json import read_json
 from scheduler.allocator import Allocator
-from scheduler.atomic import read_json
 from scheduler.cluster import Allocation, ClusterSpec
 from scheduler.executor.backend import Assignment, Backend
 from scheduler.executor.jobspec import JobSpec

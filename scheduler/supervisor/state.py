@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from scheduler.atomic import read_json, write_json_atomic
+from adaptive.atomic_json import read_json, write_json_atomic
 from scheduler.cluster import Allocation, make_allocation
 
 logger = logging.getLogger(__name__)
