@@ -138,6 +138,10 @@ class GlobalPermutation:
     MAX_SIZE = 2**63 - 1  # largest len() Python allows; int64 holds every index
     TABLE_MAX = 1024  # sizes up to this use an explicit table (see class docstring)
     _CHUNK = 1 << 16  # positions per vectorised block; keeps temporaries in cache
+    #: Small reads (one step's indices) are served from one cached, aligned
+    #: block of this many positions: the per-call cost of the numpy rounds is
+    #: then paid once per block rather than once per step (32 KiB at most).
+    _BLOCK = 1 << 12
 
     def __init__(self, n: int, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> None:
         self._n = _check_int("n", n, 1, self.MAX_SIZE)
@@ -151,6 +155,7 @@ class GlobalPermutation:
             np.uint64(k) for k in _derive_keys(self._n, self._seed, self._epoch, self.ROUNDS)
         )
         self._table: np.ndarray | None = None
+        self._cached_block: tuple[int, np.ndarray] | None = None
         if self._shuffle and self._n <= self.TABLE_MAX:
             self._table = self._small_table()
 
@@ -220,12 +225,32 @@ class GlobalPermutation:
             return np.arange(start, stop, dtype=np.int64)
         if self._table is not None:
             return self._table[start:stop].copy()
+        if stop - start < self._BLOCK:
+            return self._take_cached(start, stop)
         out = np.empty(stop - start, dtype=np.int64)
         for lo in range(start, stop, self._CHUNK):
             hi = min(lo + self._CHUNK, stop)
             positions = np.arange(lo, hi, dtype=np.uint64)
             out[lo - start : hi - start] = self._permute(positions)
         return out
+
+    def _take_cached(self, start: int, stop: int) -> np.ndarray:
+        """``take`` for short ranges, through aligned blocks of ``_BLOCK``."""
+        pieces = []
+        for index in range(start // self._BLOCK, (stop - 1) // self._BLOCK + 1 if stop > start else 0):
+            offset = index * self._BLOCK
+            block = self._block(index)
+            pieces.append(block[max(start - offset, 0):stop - offset])
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+    def _block(self, index: int) -> np.ndarray:
+        cached = self._cached_block
+        if cached is None or cached[0] != index:
+            lo = index * self._BLOCK
+            hi = min(lo + self._BLOCK, self._n)
+            cached = (index, self._permute(np.arange(lo, hi, dtype=np.uint64)).astype(np.int64))
+            self._cached_block = cached
+        return cached[1]
 
     def _small_table(self) -> np.ndarray:
         """Uniform shuffle of a small range: argsort of a keyed SplitMix64 stream."""

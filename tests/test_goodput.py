@@ -229,6 +229,34 @@ def test_fit_is_robust_to_one_outlier():
         assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=0.1), name
 
 
+def test_fit_converges_quickly_with_gamma_at_its_bound():
+    """Measured step times that are slower than compute + sync (no overlap at
+    all) push gamma against its lower bound; the search must hold it there
+    and converge instead of crawling (it used to hit its iteration cap)."""
+    from adaptive import goodput
+
+    bsz = np.array([10, 14, 20, 28, 40, 57, 80] * 3, dtype=float)
+    replicas = np.repeat([1.0, 2.0, 3.0], 7)
+    step = np.array([0.466, 0.559, 0.681, 0.851, 1.122, 1.664, 2.541, 0.523, 0.623, 0.723, 0.848, 1.279,
+                     1.764, 2.632, 0.591, 0.693, 0.791, 0.918, 1.297, 1.736, 2.573])
+    sync = np.array([0.0015] * 7 + [0.038, 0.046, 0.037, 0.027, 0.068, 0.070, 0.069,
+                                    0.077, 0.086, 0.109, 0.042, 0.125, 0.090, 0.083])
+    obs = goodput._as_observations(np.ones(21), replicas, bsz, np.ones(21), step, step - sync, sync)
+    problem = goodput._FitProblem(obs)
+    calls = []
+
+    def counted(xs):
+        calls.append(1)
+        return problem.residuals(xs)
+
+    x, _ = goodput._levenberg_marquardt(counted, goodput._initial_vector(obs, 1.2))
+    assert goodput._params_from_vector(x)[1] < 1.01  # gamma held at (about) 1
+    assert len(calls) < 100  # two calls per iteration: far below the 100-iteration cap
+    fitted = fit_perf_params(np.ones(21), replicas, bsz, np.ones(21), step, step - sync, sync)
+    predicted = GoodputFunction(fitted, GradParams(1, 1), 1).step_time(np.ones(21), replicas, bsz, np.ones(21))
+    assert np.sqrt(np.mean(np.log(predicted / step) ** 2)) < 0.1
+
+
 def test_fit_with_one_observation_uses_priors():
     fitted = fit_perf_params([1], [1], [32], [1], [0.05], [0.05], [np.nan])
     assert fitted.alpha_c == pytest.approx(0.025, rel=1e-3)

@@ -415,3 +415,19 @@ def test_numpy_integers_are_accepted():
     sampler = ElasticSampler(np.int64(50), seed=np.uint64(3))
     sampler.set_epoch(np.int32(1))
     assert sampler.local_indices(np.int64(0), np.int64(10), np.int64(2), np.int64(1)).shape == (5,)
+
+
+def test_short_reads_through_the_block_cache_match_long_reads():
+    perm = GlobalPermutation(50_000, seed=3, epoch=1)
+    whole = perm.take(0, 50_000)  # long read: computed directly, not cached
+    rng = np.random.default_rng(0)
+    block = GlobalPermutation._BLOCK
+    starts = [0, block - 5, 2 * block - 1, 50_000 - 7] + rng.integers(0, 49_000, 20).tolist()
+    for start in starts:
+        stop = min(start + int(rng.integers(1, 300)), 50_000)
+        got = perm.take(start, stop)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, whole[start:stop]), (start, stop)
+        got[:] = -1  # callers own what they get: the cache is not aliased
+    assert np.array_equal(perm.take(block - 5, block + 5), whole[block - 5:block + 5])
+    assert perm.take(10, 10).size == 0
