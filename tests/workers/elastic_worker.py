@@ -14,7 +14,6 @@ each epoch rank 0 appends the epoch's per-sample counts, summed over all
 replicas by an Accumulator, to ``epochs.jsonl``; at the end ``done.json``.
 """
 
-import json
 import logging
 import math
 import os
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 import adaptive
+from worker_common import StepCountingLinear, append_jsonl, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "600"))
@@ -45,27 +45,10 @@ class IndexDataset(torch.utils.data.Dataset):
         return torch.tensor([x]), torch.tensor([2 * x + noise]), index
 
 
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(1, 1)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        return self.linear(x)
-
-
-def write_json(path, payload):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)
-
-
 def main():
     adaptive.init_process_group("gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = Model()
+    model = StepCountingLinear(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7)
@@ -87,9 +70,8 @@ def main():
                 write_json(os.path.join(OUT, f"progress.rank{rank}.json"),
                            {"pid": os.getpid(), "epoch": epoch, "step": loader.step, "world": world})
                 if rank == 0:
-                    with open(os.path.join(OUT, "batches.jsonl"), "a") as f:
-                        f.write(json.dumps({"epoch": epoch, "step": loader.step, "world": world,
-                                            "batch_size": loader.batch_size}) + "\n")
+                    append_jsonl(os.path.join(OUT, "batches.jsonl"), {"epoch": epoch, "step": loader.step,
+                                                                      "world": world, "batch_size": loader.batch_size})
             time.sleep(STEP_SLEEP)
         with counts.synchronized():
             seen = counts["seen"]
@@ -97,8 +79,7 @@ def main():
                 record = {"epoch": epoch, "world": world, "missing": int((seen == 0).sum()),
                           "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step,
                           "model_steps": int(model.module.steps)}
-                with open(os.path.join(OUT, "epochs.jsonl"), "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_jsonl(os.path.join(OUT, "epochs.jsonl"), record)
             counts.clear()
     if rank == 0:
         write_json(os.path.join(OUT, "done.json"), {"step": loader.step, "model_steps": int(model.module.steps),

@@ -17,7 +17,6 @@ per-sample counts (summed over replicas by an Accumulator) to
 ``tests/elastic_harness.py`` checks.
 """
 
-import json
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 import adaptive
+from worker_common import StepCountingLinear, append_jsonl, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "400"))
@@ -57,32 +57,14 @@ def pad(batch):
     return torch.tensor([i for i, _, _ in batch]), x, y, mask
 
 
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(2, 1)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        return self.linear(x).squeeze(-1)
-
-
-def write_json(path, payload):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)
-
-
 def append(name, record):
-    with open(os.path.join(OUT, name), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_jsonl(os.path.join(OUT, name), record)
 
 
 def main():
     adaptive.init_process_group("gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = Model()
+    model = StepCountingLinear(2, squeeze=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(Tokens(), shuffle=True, seed=7, max_tokens=MAX_TOKENS, lengths=LENGTHS,
