@@ -896,13 +896,13 @@ class GradientNoiseScale:
         if record.estimator == _DIRECT:
             small = local / record.count / scale_sq
             big = big / scale_sq
-            samples = config.local_bsz * record.count
+            samples = config.local_bsz * record.count * self._measure_interval  # all steps since the last
         else:
             prev_sq = float(prev_scale[0]) ** 2 if prev_scale is not None else 1.0
             cur, prev = big / scale_sq, prev / prev_sq
             cross = cross / math.sqrt(scale_sq * prev_sq)
             small, big = (cur + prev) / 2.0, (cur + prev + 2.0 * cross) / 4.0
-            samples = 2 * config.local_bsz
+            samples = max(2, self._measure_interval) * config.local_bsz
         with np.errstate(invalid="ignore", over="ignore"):
             sqr, var = estimate_from_norms(small, big, record.count, config.local_bsz, config.init_batch_size)
         if not (np.all(np.isfinite(sqr)) and np.all(np.isfinite(var))):

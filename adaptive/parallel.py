@@ -96,14 +96,21 @@ class AdaptiveDataParallel(DistributedDataParallel):
             the optimizer (AdamScale for Adam-type, AdaScale otherwise).
         name: checkpoint name; give distinct names when a job trains
             several models.
+        gns_interval: measure the gradient noise every this many optimizer
+            steps (>= 1). Each measurement reads the gradients twice more
+            (norms before and after the all-reduce), which is noticeable on
+            CPUs and for small models; the noise scale changes slowly, so
+            every few steps is enough.
         **kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
             ``find_unused_parameters``, ``bucket_cap_mb``, ...).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, scaler: Any = None, *, scaling_rule: Any = None,
-                 name: str = "model", **kwargs: Any) -> None:
+                 name: str = "model", gns_interval: int = 1, **kwargs: Any) -> None:
         _check_optimizer(optimizer, module)
+        if isinstance(gns_interval, bool) or not isinstance(gns_interval, int) or gns_interval < 1:
+            raise ValueError(f"gns_interval must be an int >= 1 (optimizer steps), got {gns_interval!r}")
         if not collectives.is_initialized():
             if env.num_replicas() > 1:
                 raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveDataParallel")
@@ -112,7 +119,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
-        self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler)
+        self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler, measure_interval=gns_interval)
         self.gns.attach(self)
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
         # The loader's per-step LR factor (actual / planned step size) nests around the rule's hooks.

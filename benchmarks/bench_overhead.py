@@ -67,25 +67,30 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     plain_loader = torch.utils.data.DataLoader(data, batch_size=args.batch // 2, sampler=sampler)
     ours_model = _model(args.width)
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.01)
-    ours = adaptive.AdaptiveDataParallel(ours_model, ours_opt)
+    ours = adaptive.AdaptiveDataParallel(ours_model, ours_opt, gns_interval=args.gns_interval)
     ours_loader = adaptive.AdaptiveDataLoader(data, batch_size=args.batch, shuffle=True)
     results = {"plain": [], "ours": []}
     _timed_steps(plain, plain_opt, plain_loader, 3)  # warm-up
-    for epoch in adaptive.remaining_epochs_until(1):
-        ours_iter = iter(ours_loader)
-        for _ in range(3):
-            x, y = next(ours_iter)
-            loss = torch.nn.functional.cross_entropy(ours(x), y)
-            ours_opt.zero_grad()
-            loss.backward()
-            ours_opt.step()
-        for _ in range(args.blocks):
-            results["plain"] += _timed_steps(plain, plain_opt, plain_loader, args.steps)
-            results["ours"] += _timed_steps(ours, ours_opt, _Forever(ours_iter), args.steps)
-        ours_iter.close()
+    ours_iter = _adaptive_batches(adaptive, ours_loader)
+    for _ in range(3):  # warm-up
+        x, y = next(ours_iter)
+        loss = torch.nn.functional.cross_entropy(ours(x), y)
+        ours_opt.zero_grad()
+        loss.backward()
+        ours_opt.step()
+    for _ in range(args.blocks):
+        results["plain"] += _timed_steps(plain, plain_opt, plain_loader, args.steps)
+        results["ours"] += _timed_steps(ours, ours_opt, _Forever(ours_iter), args.steps)
+    ours_iter.close()
     if rank == 0:
         Path(out, "times.json").write_text(json.dumps(results))
     dist.barrier()
+
+
+def _adaptive_batches(adaptive, loader):
+    """Batches of ``loader`` across as many epochs as the blocks need."""
+    for _ in adaptive.remaining_epochs_until(1_000_000):
+        yield from loader
 
 
 class _Forever:
@@ -103,8 +108,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=128, help="global batch size")
-    parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--gns-interval", type=int, default=1, help="AdaptiveDataParallel(gns_interval=...)")
+    parser.add_argument("--steps", type=int, default=15, help="steps per block")
     parser.add_argument("--json", default=str(HERE / "results" / "bench_overhead.json"))
     args = parser.parse_args()
     if args.quick:

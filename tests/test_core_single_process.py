@@ -216,3 +216,23 @@ def test_periodic_checkpoints_and_resume_after_crash_roll_back_together(job, mon
     monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "0")
     resumed = adaptive.AdaptiveDataLoader(Indices(30), batch_size=3, shuffle=True)
     assert resumed.step in (5, 6)  # the last periodic checkpoint was at one of the last boundaries
+
+
+def test_gns_interval_measures_every_nth_step(job):
+    net = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="gns_interval must be an int >= 1"):
+        adaptive.AdaptiveDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1), gns_interval=0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = adaptive.AdaptiveDataParallel(model, optimizer, gns_interval=3)
+    loader = adaptive.AdaptiveDataLoader(Indices(40), batch_size=4, shuffle=True)
+    for _ in adaptive.remaining_epochs_until(3):
+        for batch in loader:
+            loss = model(batch.float()[:, None] / 40).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    # 30 steps, one replica: differenced pairs end on every third step (the
+    # first pairs are lost to DDP's bucket rebuild), far fewer than 30
+    assert 0 < model.gns.num_updates <= 10
