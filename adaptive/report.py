@@ -343,8 +343,10 @@ def format_summary(summary: RunSummary) -> str:
     if summary.goodput_gain is None:
         lines.append("goodput: not measured")
     else:
+        cause = "" if summary.batch_size_decisions else \
+            " (no batch-size decisions: the change is throughput, e.g. replicas or machine load)"
         lines.append(f"goodput: mean {summary.mean_goodput:.1f} vs {summary.baseline_goodput:.1f} at the initial "
-                     f"batch size: gain x{summary.goodput_gain:.2f}")
+                     f"batch size: gain x{summary.goodput_gain:.2f}{cause}")
     if summary.checkpoints:
         lines.append(f"checkpoints written: {summary.checkpoints}")
     lines.extend(f"note: {note}" for note in summary.notes)

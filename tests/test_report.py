@@ -90,6 +90,8 @@ def test_goodput_gain_is_mean_goodput_over_the_first_records_at_the_initial_batc
     assert summary.mean_goodput == pytest.approx(226.0)
     assert summary.goodput_gain == pytest.approx(226.0 / 110.0)
     assert "gain x2.05" in report.format_summary(summary)
+    # no batch_size events: the summary says the gain is not a batch-size decision's
+    assert "no batch-size decisions" in report.format_summary(summary)
 
 
 def test_without_goodput_the_gain_is_not_invented(tmp_path):
