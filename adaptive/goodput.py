@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -485,10 +485,10 @@ class _FitProblem:
         pull of gamma towards 1 is added separately)."""
         obs, rows = self.obs, []
 
-        def prior(offset: float = 0.0, **coefficients: float) -> None:
+        def prior(coefficients: Dict[int, float], offset: float = 0.0) -> None:
             row = np.zeros(8)
             for index, value in coefficients.items():
-                row[int(index[1:])] = value
+                row[index] = value
             row[7] = offset
             rows.append(row)
 
@@ -498,18 +498,18 @@ class _FitProblem:
         if np.unique(obs.local_bsz).size <= 1:
             # One local batch size: split its compute time evenly between the
             # fixed and the per-sample part.
-            prior(math.log(float(np.mean(obs.local_bsz))), x0=1.0, x1=-1.0)
+            prior({0: 1.0, 1: -1.0}, math.log(float(np.mean(obs.local_bsz))))
         # Regime parameters: (alpha index, beta index, observed, observed with > 2 replicas).
         for alpha, beta, mask, other in ((4, 5, one_node, many_nodes), (2, 3, many_nodes, one_node)):
             if not mask.any():
                 if other.any():  # assume the unseen link costs what the seen one does
-                    prior(**{f"x{alpha}": 1.0, f"x{6 - alpha}": -1.0})
-                    prior(**{f"x{beta}": 1.0, f"x{8 - beta}": -1.0})
+                    prior({alpha: 1.0, 6 - alpha: -1.0})
+                    prior({beta: 1.0, 8 - beta: -1.0})
                 else:
-                    prior(tiny, **{f"x{alpha}": 1.0})
-                    prior(tiny, **{f"x{beta}": 1.0})
+                    prior({alpha: 1.0}, tiny)
+                    prior({beta: 1.0}, tiny)
             elif not (obs.replicas[mask] > 2).any():
-                prior(tiny, **{f"x{beta}": 1.0})
+                prior({beta: 1.0}, tiny)
         table = np.array(rows).reshape(-1, 8)
         return table[:, :7], table[:, 7]
 
@@ -559,6 +559,8 @@ def _levenberg_marquardt(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray
         # Variables held at a bound by the gradient stay there (projected
         # steps), otherwise clipping would stall every step along them.
         free = ~(((x <= lower) & (grad > 0)) | ((x >= upper) & (grad < 0)))
+        if not free.any():
+            break
         grad, hess = grad[free], hess[np.ix_(free, free)]
         diag = np.diag(np.diag(hess) + 1e-12)
         for _ in range(30):
