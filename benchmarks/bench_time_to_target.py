@@ -143,8 +143,6 @@ def fixed_batches(dataset, batch: int) -> Iterator:
 
 
 def run_fixed(batch: int, rule: str, target: float, eval_every: int, max_seconds: float) -> dict:
-    import torch
-
     dataset, valid, vocab = make_task()
     model = make_model(vocab)
     scale = batch / BASE_BATCH
@@ -156,8 +154,6 @@ def run_fixed(batch: int, rule: str, target: float, eval_every: int, max_seconds
 
 
 def run_autoscale(target: float, eval_every: int, max_seconds: float, max_batch: int, out: str) -> dict:
-    import torch
-
     os.environ.update(ADAPTIVE_CHECKPOINT_PATH=os.path.join(out, "ckpt"), ADAPTIVE_SHARE_PATH=out,
                       ADAPTIVE_CHECKPOINT_INTERVAL="0", ADAPTIVE_PROGRESS_INTERVAL="0")
     import adaptive
