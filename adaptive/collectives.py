@@ -16,6 +16,7 @@ and the failure surfaces as :class:`CollectiveError` rather than a hang.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import functools
@@ -48,6 +49,8 @@ T = TypeVar("T")
 _control_group: Any = None
 _async_group: Any = None
 _async_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_teardown_registered = False
+_owns_default_group = False
 
 
 class CollectiveError(RuntimeError):
@@ -72,7 +75,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         timeout: seconds a collective waits for its peers before failing;
             default ``ADAPTIVE_COLLECTIVE_TIMEOUT`` (300 s).
     """
-    global _control_group, _async_group
+    global _control_group, _async_group, _owns_default_group
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not isinstance(backend, str) or not backend:
@@ -91,12 +94,44 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         else:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
         logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
+        _owns_default_group = True
     if _control_group is None:
         if dist.get_backend() == "gloo":
             _control_group = dist.group.WORLD
         else:
             _control_group = dist.new_group(backend="gloo", timeout=delta)
         _async_group = dist.new_group(backend="gloo", timeout=delta)
+        _register_teardown()
+
+
+def _register_teardown() -> None:
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_destroy_at_exit)
+        _teardown_registered = True
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the groups this module created while the interpreter is intact.
+
+    Left to interpreter teardown, a gloo group whose last asynchronous
+    operations (the final step agreement, the noise-scale all-reduce) are
+    still in its worker threads can be destroyed in an order that aborts
+    the process ("terminate called without an active exception", SIGABRT),
+    turning a finished or gracefully stopped worker into a failed one.
+    Destroying it here first lets those operations finish. A default group
+    the user created is left to them; only the module's own groups go.
+    """
+    global _control_group, _async_group
+    if not is_initialized():
+        return
+    own = [g for g in (_async_group, _control_group) if g is not None and g is not dist.group.WORLD]
+    try:
+        for group in [None] if _owns_default_group else own:
+            dist.destroy_process_group(group)
+    except Exception:  # best effort: the process is exiting anyway
+        logger.debug("destroying the process groups at exit failed", exc_info=True)
+    _control_group = _async_group = None
 
 
 def _require_group() -> Any:
