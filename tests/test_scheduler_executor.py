@@ -304,61 +304,22 @@ def test_local_backend_runs_stops_and_kills_process_groups(tmp_path, ignore_term
 
 # ------------------------------------------------------ real training processes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = textwrap.dedent("""
-    import json, os, time
-    import numpy as np
-    import torch
-    import adaptive
-
-    OUT = os.environ["OUT_DIR"]
-    SAMPLES, BATCH, EPOCHS = 240, 24, int(os.environ["EPOCHS"])
-    SLEEP = float(os.environ["STEP_SLEEP"])
-
-    class Indices(torch.utils.data.Dataset):
-        def __len__(self):
-            return SAMPLES
-
-        def __getitem__(self, i):
-            return torch.tensor([i / SAMPLES]), torch.tensor([2.0 * i / SAMPLES]), i
-
-    adaptive.init_process_group("gloo")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = torch.nn.Linear(1, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    model = adaptive.AdaptiveDataParallel(model, optimizer)
-    loader = adaptive.AdaptiveDataLoader(Indices(), batch_size=BATCH, shuffle=True, seed=3)
-    seen = adaptive.Accumulator()
-    for epoch in adaptive.remaining_epochs_until(EPOCHS):
-        for x, y, index in loader:
-            loss = (model(x) - y).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            seen["count"] += np.bincount(index.numpy(), minlength=SAMPLES)
-            time.sleep(SLEEP)
-        with seen.synchronized():
-            if rank == 0:
-                counts = seen["count"]
-                with open(os.path.join(OUT, "epochs.jsonl"), "a") as f:
-                    f.write(json.dumps({"epoch": epoch, "world": world, "missing": int((counts == 0).sum()),
-                                        "extra": int((counts - 1).clip(min=0).sum())}) + "\\n")
-            seen.clear()
-""")
+#: The multi-process tests' worker: counts every sample per epoch into epochs.jsonl.
+WORKER = os.path.join(REPO, "tests", "workers", "elastic_worker.py")
 
 
 @pytest.mark.distributed
 def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
     if not hasattr(pytest.importorskip("adaptive"), "AdaptiveDataLoader"):
         pytest.skip("the elastic core (adaptive.AdaptiveDataLoader) is not available")
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
     specs = []
     for name, epochs, sleep in (("short", 2, 0.02), ("long", 6, 0.15)):
         out = tmp_path / name
         out.mkdir()
-        specs.append(JobSpec(name=name, command=(str(script),), checkpoint_dir=str(tmp_path / f"{name}-ckpt"),
+        specs.append(JobSpec(name=name, command=(WORKER,), checkpoint_dir=str(tmp_path / f"{name}-ckpt"),
                              max_replicas=3, max_failures=0,
-                             env={"OUT_DIR": str(out), "EPOCHS": str(epochs), "STEP_SLEEP": str(sleep),
+                             env={"WORKER_OUT": str(out), "WORKER_SAMPLES": "240", "WORKER_BATCH": "24",
+                                  "WORKER_EPOCHS": str(epochs), "WORKER_STEP_SLEEP": str(sleep),
                                   "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}))
     backend = LocalBackend(str(tmp_path / "logs"))
     ex = Executor(backend, EqualShare(), ClusterSpec(1, 3), interval=600, grace_period=60)
