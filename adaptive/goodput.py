@@ -525,16 +525,19 @@ class _FitProblem:
         fits from different starting points are ranked by."""
         err = np.abs(self.data_residuals(x)[0])
         huber = np.where(err <= _HUBER_DELTA, err ** 2, 2.0 * _HUBER_DELTA * err - _HUBER_DELTA ** 2)
-        prior = self.residuals(x)[0, self.data_weights.size:]
+        prior = self.prior_residuals(np.atleast_2d(x))[0]
         return float(huber.sum() + prior @ prior)
+
+    def prior_residuals(self, xs: np.ndarray) -> np.ndarray:
+        """Weighted prior pseudo-residuals, one row per search vector."""
+        linear = xs @ self.prior_matrix.T - self.prior_offset
+        overlap = _gammas(xs) - 1.0  # prefer less overlap (pessimistic)
+        return np.concatenate([linear, overlap], axis=1) * _PRIOR_WEIGHT
 
     def residuals(self, xs: np.ndarray) -> np.ndarray:
         """Weighted residuals, one row per search vector in ``xs``."""
         xs = np.atleast_2d(xs)
-        linear = xs @ self.prior_matrix.T - self.prior_offset
-        overlap = _gammas(xs) - 1.0  # prefer less overlap (pessimistic)
-        prior = np.concatenate([linear, overlap], axis=1) * _PRIOR_WEIGHT
-        return np.concatenate([self.data_weights * self.data_residuals(xs), prior], axis=1)
+        return np.concatenate([self.data_weights * self.data_residuals(xs), self.prior_residuals(xs)], axis=1)
 
 
 def _levenberg_marquardt(fun: Callable[[np.ndarray], np.ndarray], x0: np.ndarray,
