@@ -59,25 +59,32 @@ statistics would be in different units).  An Adam-like optimizer without
 
 How it runs, and what it costs
 ------------------------------
-:meth:`GradientNoiseScale.attach` registers a DDP communication hook that
-does the all-reduce itself (by default dividing by ``replicas * k``, so
-after the synchronising backward ``.grad`` holds the mean gradient over
-all micro-batches of all replicas) and measures around it:
+:meth:`GradientNoiseScale.attach` leaves DDP's reduction alone (its fused
+C++ all-reduce, or any communication hook the user registers) and watches
+the backward passes through autograd hooks:
 
-* before the all-reduce (``R > 1``, ``k = 1``): one norm per contiguous run
-  of same-group parameters in the bucket (a read of the bucket);
-* after it, at the end of backward: the same on the reduced bucket;
-* with accumulation: one norm per parameter per micro-step in a tensor
-  hook (hooks are only installed while ``accum_steps > 1``);
-* with preconditioning: additionally a copy of each bucket into a reusable
-  float32 workspace (largest bucket) and one fused multiply;
+* a forward hook on the DDP model marks where each backward starts, which
+  counts the micro-steps and tells the synchronising one;
+* with several replicas or micro-steps, a tensor hook per parameter reads
+  the norm of each backward's gradient contribution as autograd hands it
+  over (before it is added to ``.grad`` and before DDP reduces it);
+* at the end of the synchronising backward (after DDP has written the
+  reduced gradient back), ``.grad`` is divided by the number of micro-steps
+  (so it is the mean over all micro-batches of all replicas) and its
+  per-group norms are read: one multi-tensor norm;
+* with preconditioning: additionally one fused multiply per parameter into
+  a reusable float32 workspace (the largest parameter);
 * the differenced estimator: one persistent float32 copy of the previous
-  step's raw gradient (preconditioned in place when used, so both partners
-  share the current preconditioner), and a norm and a dot product per run;
+  step's gradient (preconditioned in place when used, so both partners
+  share the current preconditioner), and a norm and a dot product per
+  parameter;
 * results stay on the device; a handful of floats is copied to the host
   once per measured step, at the first read-out (``gain``, ``sqr_avg``...)
   or at the start of the next step.  No per-parameter synchronisation and
   no full-size temporaries beyond the reusable workspace.
+
+A measured step therefore reads the gradient about twice more; steps that
+are not measured (``measure_interval``) cost one Python call per backward.
 
 Integration
 -----------
@@ -90,14 +97,12 @@ Integration
     every micro-step but the last run in ddp_model.no_sync() ...
     gns.gain(gns.scale), gns.noise_scale(), gns.to_grad_params()
 
-``set_batch_config`` must describe the steps that follow (the hook divides
-by the micro-step count it observes, or by the declared ``accum_steps``
-while measurement is off).  Losses must be means over the micro-batch (the
-usual reduction).  Extra backward passes through the tracked parameters
-outside training steps (e.g. ``torch.autograd.grad`` for a gradient
-penalty) would be counted as micro-steps.  The end-of-backward measurement
-runs from torch's autograd-engine callback queue, as DDP's own
-finalisation does.
+``set_batch_config`` must describe the steps that follow.  Losses must be
+means over the micro-batch (the usual reduction).  Extra backward passes
+through the model outside training steps (e.g. ``torch.autograd.grad`` for
+a gradient penalty) would be counted as micro-steps.  The end-of-backward
+work runs from torch's autograd-engine callback queue, after DDP's own
+finalisation.
 """
 
 from __future__ import annotations
@@ -226,7 +231,6 @@ class _Preconditioner:
         self._interval = interval
         self.roots: List[Optional[torch.Tensor]] = [None] * len(self._params)
         self.state = "waiting"
-        self.version = 0
         self._refreshed_at = -1
 
     def maybe_refresh(self, step: int) -> None:
@@ -253,7 +257,6 @@ class _Preconditioner:
                 found += 1
         if found:
             self.state, self._refreshed_at = "ready", step
-            self.version += 1
         elif stepped:
             self.state = "off"
             logger.info("optimizer state has no exp_avg_sq; the gradient noise scale is measured "
@@ -265,54 +268,6 @@ def _step_value(step: Any) -> Any:
     if isinstance(step, torch.Tensor):
         return float(step) if step.device.type == "cpu" else step.to(torch.float32)
     return float(step)
-
-
-class _BucketLayout:
-    """Where a DDP bucket's tracked gradients lie in its flat buffer."""
-
-    def __init__(self, bucket: Any, index_of: Mapping[int, int], group_of: Sequence[int],
-                 device: torch.device) -> None:
-        buffer = bucket.buffer()
-        self.numel = buffer.numel()
-        base = (buffer.untyped_storage().data_ptr(), buffer.storage_offset())
-        items, cursor = [], 0
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            shares = grad.untyped_storage().data_ptr() == base[0]
-            offset = grad.storage_offset() - base[1] if shares else cursor
-            cursor = offset + grad.numel()
-            items.append((offset, grad.numel(), index_of.get(id(param), -1), tuple(grad.shape), grad.stride()))
-        items.sort(key=lambda item: item[0])
-        runs: List[List[int]] = []
-        self.tracked: List[Tuple[int, int, Tuple[int, ...], Tuple[int, ...]]] = []
-        for offset, numel, index, shape, stride in items:
-            if index < 0 or numel == 0:
-                continue
-            self.tracked.append((index, offset, shape, stride))
-            group = group_of[index]
-            if runs and runs[-1][2] == group and runs[-1][1] == offset:
-                runs[-1][1] = offset + numel
-            else:
-                runs.append([offset, offset + numel, group])
-        self.runs = [(start, end) for start, end, _ in runs]
-        self.run_groups = torch.tensor([group for _, _, group in runs], dtype=torch.long, device=device)
-        self._views: Dict[Tuple[int, int], Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
-
-    def preconditioned_views(self, flat: torch.Tensor, roots: Sequence[Optional[torch.Tensor]],
-                             version: int) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """Views of the tracked gradients inside ``flat`` (a workspace or a
-        saved gradient with this layout) and their preconditioner roots."""
-        key = (flat.data_ptr(), version)
-        cached = self._views.get(key)
-        if cached is None:
-            views, factors = [], []
-            for index, offset, shape, stride in self.tracked:
-                if roots[index] is not None:
-                    views.append(flat.as_strided(shape, stride, offset))
-                    factors.append(roots[index])
-            if len(self._views) >= 4:
-                self._views.clear()
-            cached = self._views[key] = (views, factors)
-        return cached
 
 
 @dataclass
@@ -329,6 +284,19 @@ class _StepRecord:
     prev: Optional[torch.Tensor] = None
     prev_scale: Optional[torch.Tensor] = None
     cross: Optional[torch.Tensor] = None
+
+
+def _output_tensors(output: Any) -> List[torch.Tensor]:
+    """Tensors in a model's output (nested tuples, lists, dicts, dataclass-like objects)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    elif hasattr(output, "__dataclass_fields__"):
+        output = [getattr(output, name) for name in output.__dataclass_fields__]
+    if isinstance(output, (list, tuple)):
+        return [tensor for item in output for tensor in _output_tensors(item)]
+    return []
 
 
 class GradientNoiseScale:
@@ -368,7 +336,6 @@ class GradientNoiseScale:
         #: The AMP ``GradScaler`` whose loss scale is divided out (or None).
         self.grad_scaler = grad_scaler
         self._enabled = True
-        self._index_of: Dict[int, int] = {}
         self._num_groups = len(optimizer.param_groups)
         self._ema = _GroupEma(self._num_groups)
         self._ema_estimator: Optional[str] = None
@@ -380,30 +347,29 @@ class GradientNoiseScale:
         self._world_size = 1
         self._process_group: Any = None
         self._average_micro_steps = True
-        self._inner_hook: Optional[Callable[[Any, Any], Any]] = None
-        self._inner_state: Any = None
-        self._params: List[torch.Tensor] = []
+        self._is_last_micro_step: Callable[[], bool] = lambda: True
+        self._params: List[torch.Tensor] = []  # tracked: trainable, in the model and in the optimizer
         self._group_of: List[int] = []
+        self._trained: List[torch.Tensor] = []  # every trainable parameter of the model (gradients averaged)
         self._device = torch.device("cpu")
         self._preconditioner: Optional[_Preconditioner] = None
         self._micro_handles: List[Any] = []
         self._micro_sq: Optional[torch.Tensor] = None
-        self._micro_calls: List[int] = []
         self._group_index: Optional[torch.Tensor] = None
-        self._layouts: Dict[Tuple[int, int, int], _BucketLayout] = {}
         self._workspaces: Dict[torch.device, torch.Tensor] = {}
-        self._prev_buffers: Dict[int, torch.Tensor] = {}
+        self._prev_grads: Dict[int, torch.Tensor] = {}
         self._prev_meta: Any = None
         self._prev_scale: Optional[torch.Tensor] = None
         self._pending: Optional[_StepRecord] = None
+        self._in_backward = False
         self._steps = 0
         self._reset_step()
 
     # ------------------------------------------------------------ set-up
     @property
     def enabled(self) -> bool:
-        """Whether steps are measured; while False the communication hook
-        still reduces gradients (and averages micro-steps)."""
+        """Whether steps are measured; while False the micro-steps of a step
+        are still averaged."""
         return self._enabled
 
     @enabled.setter
@@ -412,25 +378,24 @@ class GradientNoiseScale:
         self._update_micro_hooks()
 
     def attach(self, ddp_model: DistributedDataParallel, *, process_group: Any = None,
-               average_micro_steps: bool = True, inner_hook: Optional[Callable[[Any, Any], Any]] = None,
-               inner_state: Any = None) -> None:
+               average_micro_steps: bool = True,
+               is_last_micro_step: Optional[Callable[[], bool]] = None) -> None:
         """Measure ``ddp_model``'s gradients; call once, before its first backward.
 
-        Registers the DDP communication hook (DDP allows one), so
-        gradients are reduced here.
+        Only autograd hooks are registered: DDP reduces as it would without
+        measurement, with any communication hook the user registers (it
+        must average over replicas, as torch's hooks do).
 
         Args:
             ddp_model: the ``DistributedDataParallel`` model trained with
                 this optimizer.
-            process_group: the group reducing gradients (default: the
-                model's).
+            process_group: the group DDP reduces over (default: the model's).
             average_micro_steps: divide the accumulated gradient by the
-                number of micro-steps as well as by the replicas, so
-                ``.grad`` is the mean over the whole global batch.
-            inner_hook: a communication hook ``(state, bucket) -> Future``
-                to reduce with instead of the plain averaging all-reduce
-                (it must average over replicas, like torch's hooks).
-            inner_state: its ``state``.
+                number of micro-steps, so ``.grad`` is the mean over the
+                whole global batch (DDP averages over replicas).
+            is_last_micro_step: called after each forward; whether its
+                backward ends the optimizer step.  Default: whether DDP
+                synchronises it (``no_sync()`` marks the other micro-steps).
         """
         if not isinstance(ddp_model, DistributedDataParallel):
             raise ValueError(f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}")
@@ -443,9 +408,12 @@ class GradientNoiseScale:
                              f"group has {world_size}")
         self._process_group, self._world_size = group, world_size
         self._average_micro_steps = bool(average_micro_steps)
-        self._inner_hook, self._inner_state = inner_hook, inner_state
+        if is_last_micro_step is None:
+            self._is_last_micro_step = lambda: bool(ddp_model.require_backward_grad_sync)
+        else:
+            self._is_last_micro_step = is_last_micro_step
         self._track_params(ddp_model)
-        ddp_model.register_comm_hook(None, self._comm_hook)
+        ddp_model.register_forward_hook(self._on_forward)
         self._ddp = ddp_model
         self._update_micro_hooks()
 
@@ -460,8 +428,8 @@ class GradientNoiseScale:
                     self._group_of.append(index)
         if not self._params:
             raise ValueError("the optimizer holds none of the model's trainable parameters")
+        self._trained = [p for p in ddp_model.module.parameters() if p.requires_grad]
         self._device = self._params[0].device
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._group_index = torch.tensor(self._group_of, dtype=torch.long, device=self._device)
         self._micro_sq = torch.zeros(len(self._params), dtype=torch.float32, device=self._device)
         if self._wants_precondition:
@@ -469,7 +437,7 @@ class GradientNoiseScale:
                                                    self._precondition_interval)
 
     def detach(self) -> None:
-        """Stop measuring for good; the communication hook keeps reducing gradients."""
+        """Stop measuring for good; micro-steps are still averaged."""
         self.enabled = False
 
     def set_batch_config(self, *, init_batch_size: int, local_bsz: int, accum_steps: int = 1,
@@ -624,14 +592,12 @@ class GradientNoiseScale:
         self._step_open = False
         self._measuring = False
         self._storing = False
-        self._mode: Optional[str] = None
-        self._micro_steps = 1
-        self._local_parts: List[torch.Tensor] = []
-        self._reduced: List[Tuple[Any, _BucketLayout, int]] = []
+        self._hooked = False  # the micro-step hooks saw this step from its start
+        self._micro_steps = 0
         self._step_scale: Optional[torch.Tensor] = None
 
     def _begin_step(self) -> None:
-        """First hook of an optimizer step (in the autograd thread)."""
+        """First backward of an optimizer step (in the autograd thread)."""
         with self._lock:
             self._flush()
         self._reset_step()
@@ -646,10 +612,9 @@ class GradientNoiseScale:
                 self._measuring = self._storing = False
         if self._measuring or self._storing:
             self._step_scale = self._loss_scale()
-        if self._micro_handles:
-            self._micro_calls = [0] * len(self._params)
-            if self._measuring:
-                self._micro_sq.zero_()
+        self._hooked = bool(self._micro_handles)
+        if self._hooked and self._measuring:
+            self._micro_sq.zero_()
 
     def _loss_scale(self) -> Optional[torch.Tensor]:
         scaler = self.grad_scaler
@@ -664,9 +629,38 @@ class GradientNoiseScale:
         return self._preconditioner is not None and self._preconditioner.state == "ready"
 
     # ------------------------------------------------------------ hooks
+    def _on_forward(self, module: Any, inputs: Any, output: Any) -> None:
+        """DDP forward hook: mark where this forward's backward will start."""
+        if not torch.is_grad_enabled():
+            return
+        sync = bool(self._is_last_micro_step())
+        for tensor in _output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._on_backward_start, sync))
+
+    def _on_backward_start(self, sync: bool, grad: torch.Tensor) -> None:
+        """Gradient hook on the model's output: a backward through the model begins."""
+        if self._in_backward:  # another output of the same forward
+            return
+        try:
+            self._in_backward = True
+            if not self._step_open:
+                self._begin_step()
+            self._micro_steps += 1
+            Variable._execution_engine.queue_callback(functools.partial(self._after_backward, sync))
+        except Exception:  # never break the user's backward
+            self._in_backward = False
+            self._fail("backward-start hook")
+
+    def _after_backward(self, sync: bool) -> None:
+        """End of a backward, before DDP's finalisation (queued ahead of it)."""
+        self._in_backward = False
+        if sync:  # runs after DDP has written the reduced gradients back
+            Variable._execution_engine.queue_callback(self._end_of_step)
+
     def _update_micro_hooks(self) -> None:
         wanted = (self._ddp is not None and self._enabled and self._config is not None
-                  and self._config.accum_steps > 1)
+                  and self._config.accum_steps * self._world_size > 1)
         if wanted and not self._micro_handles:
             self._micro_handles = [p.register_hook(functools.partial(self._micro_hook, i))
                                    for i, p in enumerate(self._params)]
@@ -679,204 +673,139 @@ class GradientNoiseScale:
         self._micro_handles = []
 
     def _micro_hook(self, index: int, grad: torch.Tensor) -> None:
-        """Squared norm of one parameter's micro-step gradient (tensor hook)."""
+        """Squared norm of one parameter's gradient from this backward (tensor hook)."""
+        if not self._measuring or not self._hooked:
+            return
         try:
-            if not self._step_open:
-                self._begin_step()
-            self._micro_calls[index] += 1
-            if not self._measuring:
-                return
             with torch.no_grad():
                 root = self._preconditioner.roots[index] if self._precondition_active() else None
-                if root is not None:
-                    work = self._workspace(grad.device, grad.numel())[:grad.numel()].view(grad.shape)
-                    torch.mul(grad, root, out=work)
-                    norm = torch.linalg.vector_norm(work)
-                else:
-                    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-                self._micro_sq[index].add_(norm.to(self._device).square())
+                self._micro_sq[index].add_(self._sq_norm(grad, root).to(self._device))
         except Exception:  # never break the user's backward
             self._fail("micro-step hook")
 
-    # No annotations on (state, bucket): DDP compares them to dist.GradBucket.
-    def _comm_hook(self, state, bucket):  # noqa: ANN001,ANN202
-        """DDP communication hook: measure, reduce, measure again at the end."""
-        buffer = bucket.buffer()
-        layout = None
-        try:
-            if not self._step_open:
-                self._begin_step()
-            if self._mode is None:
-                self._start_reduction()
-            if self._mode:
-                layout = self._layout(bucket)
-                if self._mode == _DIRECT and not self._micro_handles:
-                    self._local_parts.append(self._group_sq(buffer, layout)[0])
-        except Exception:
-            self._fail("communication hook")
-            layout = None
-        future = self._reduce(buffer, bucket)
-        if layout is not None:
-            self._reduced.append((future, layout, bucket.index()))
-        if bucket.is_last():
-            self._step_open = False
-            self._steps += 1
-            if self._reduced:
-                self._after_backward(self._end_of_backward)
-        return future
-
-    @staticmethod
-    def _after_backward(callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the current backward pass has finished
-        (torch's engine callback queue, which DDP itself relies on); if no
-        backward is running (DDP reducing from its own final callback), now."""
-        try:
-            Variable._execution_engine.queue_callback(callback)
-        except RuntimeError:
-            callback()
-
-    def _start_reduction(self) -> None:
-        """At the step's first bucket: micro-step count and which estimator runs."""
-        if self._micro_handles:
-            self._micro_steps = max(max(self._micro_calls), 1)
-        else:  # not measuring micro-steps: trust the declared accumulation
-            self._micro_steps = self._config.accum_steps if self._config is not None else 1
-        count = self._world_size * self._micro_steps
-        measured_micro = bool(self._micro_handles) or self._micro_steps == 1
-        if count > 1 and self._measuring and measured_micro:
-            self._mode = _DIRECT
-        elif count == 1 and not self._micro_handles and (self._measuring or self._storing):
-            self._mode = _DIFFERENCED
-        else:
-            self._mode = ""  # decided: nothing to measure this step
-
-    def _reduce(self, buffer: torch.Tensor, bucket: Any) -> torch.futures.Future:
-        divisor = self._micro_steps if self._average_micro_steps else 1
-        if self._inner_hook is not None:
-            if divisor != 1:
-                buffer.div_(divisor)
-            return self._inner_hook(self._inner_state, bucket)
-        divisor *= self._world_size
-        if divisor != 1:
-            buffer.div_(divisor)
-        if self._world_size == 1:
-            future: torch.futures.Future = torch.futures.Future()
-            future.set_result(buffer)
-            return future
-        work = dist.all_reduce(buffer, group=self._process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    def _end_of_backward(self) -> None:
-        """After the synchronising backward: norms of the reduced gradient."""
+    # ------------------------------------------------------------ end of step
+    def _end_of_step(self) -> None:
+        """After the synchronising backward: average the micro-steps, measure."""
         try:
             with torch.no_grad():
-                self._collect()
+                steps = max(self._micro_steps, 1)
+                if steps > 1 and self._average_micro_steps:
+                    self._divide_grads(steps)
+                if self._step_open and (self._measuring or self._storing):
+                    self._collect(steps)
         except Exception:
             self._fail("end-of-backward measurement")
         finally:
-            self._reduced = []
-            self._local_parts = []
+            if self._step_open:
+                self._steps += 1
+            self._reset_step()
 
-    def _collect(self) -> None:
-        config = self._config
-        big = torch.zeros(self._num_groups, dtype=torch.float32, device=self._device)
-        differenced = self._mode == _DIFFERENCED
-        pair = differenced and self._measuring and self._prev_meta == self._pair_key(self._step_index - 1)
-        prev_sq = torch.zeros_like(big) if pair else None
-        cross = torch.zeros_like(big) if pair else None
-        for future, layout, index in self._reduced:
-            reduced = future.wait()
-            reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
-            part, source = self._group_sq(reduced, layout)
-            big += part.to(self._device)
-            if differenced:
-                self._difference_bucket(index, layout, reduced, source, prev_sq, cross)
-        if self._mode == _DIRECT:
-            if not self._average_micro_steps:
-                big /= self._micro_steps ** 2
-            if self._micro_handles:
-                local = torch.zeros_like(big).index_add_(0, self._group_index, self._micro_sq)
-            elif self._local_parts:
-                local = torch.stack(self._local_parts).sum(0).to(self._device)
-            else:
+    def _divide_grads(self, divisor: int) -> None:
+        dense = [p.grad for p in self._trained if p.grad is not None and not p.grad.is_sparse]
+        if dense:
+            torch._foreach_div_(dense, divisor)
+        for param in self._trained:
+            if param.grad is not None and param.grad.is_sparse:
+                param.grad.div_(divisor)
+
+    def _collect(self, micro_steps: int) -> None:
+        config, world = self._config, self._world_size
+        count = world * micro_steps
+        present = [i for i, p in enumerate(self._params) if p.grad is not None and not p.grad.is_sparse]
+        if count > 1:
+            if not (self._measuring and self._hooked):
+                self._prev_meta = None
                 return
+            big = self._group_sq(present)
+            if not self._average_micro_steps:
+                big /= micro_steps ** 2
+            local = torch.zeros_like(big).index_add_(0, self._group_index, self._micro_sq)
             work = None
-            if self._world_size > 1:
+            if world > 1:
                 work = dist.all_reduce(local, group=self._process_group, async_op=True)
-            self._pending = _StepRecord(_DIRECT, config, self._world_size * self._micro_steps, big,
-                                        local=local, work=work, scale=self._step_scale)
+            self._pending = _StepRecord(_DIRECT, config, count, big, local=local, work=work,
+                                        scale=self._step_scale)
+            self._prev_meta = None
             return
-        if pair:
+        key = (self._step_index, config, tuple(present))
+        if self._measuring and self._prev_meta == (self._step_index - 1,) + key[1:]:
+            big, prev_sq, cross = self._differenced(present)
             self._pending = _StepRecord(_DIFFERENCED, config, 2, big, scale=self._step_scale,
                                         prev=prev_sq, prev_scale=self._prev_scale, cross=cross)
         if self._storing:
-            self._prev_scale = self._step_scale
-            self._prev_meta = self._pair_key(self._step_index)
+            self._store(present)
+            self._prev_scale, self._prev_meta = self._step_scale, key
         else:
             self._prev_meta = None
 
-    def _pair_key(self, step: int) -> Any:
-        layouts = tuple(sorted(id(layout) for _, layout, _ in self._reduced))
-        return (step, self._config, layouts)
-
-    def _difference_bucket(self, index: int, layout: _BucketLayout, reduced: torch.Tensor, source: torch.Tensor,
-                           prev_sq: Optional[torch.Tensor], cross: Optional[torch.Tensor]) -> None:
-        """Differenced estimator for one bucket.
-
-        The previous step's gradient is kept raw and preconditioned here
-        with the *current* preconditioner, so both gradients of a pair are
-        measured in the same geometry even across a refresh.
-        """
-        prev = self._prev_buffers.get(index)
-        if cross is not None and prev is not None and layout.runs:
-            saved = prev[:layout.numel]
-            if self._precondition_active():
-                views, roots = layout.preconditioned_views(saved, self._preconditioner.roots,
-                                                           self._preconditioner.version)
-                if views:
-                    torch._foreach_mul_(views, roots)
-            norms = [torch.linalg.vector_norm(saved[a:b]) for a, b in layout.runs]
-            dots = [torch.dot(source[a:b].float(), saved[a:b]) for a, b in layout.runs]
-            prev_sq.index_add_(0, layout.run_groups, torch.stack(norms).square().to(prev_sq.device))
-            cross.index_add_(0, layout.run_groups, torch.stack(dots).to(cross.device))
-        if self._storing:
-            if prev is None or prev.numel() < layout.numel or prev.device != reduced.device:
-                prev = self._prev_buffers[index] = torch.empty(layout.numel, dtype=torch.float32,
-                                                               device=reduced.device)
-            prev[:layout.numel].copy_(reduced.reshape(-1)[:layout.numel])
-
     # ------------------------------------------------------------ norms
-    def _layout(self, bucket: Any) -> _BucketLayout:
-        buffer = bucket.buffer()
-        key = (bucket.index(), buffer.data_ptr(), buffer.numel())
-        layout = self._layouts.get(key)
-        if layout is None:
-            if len(self._layouts) > 4096:  # buckets were rebuilt many times; start over
-                self._layouts.clear()
-            layout = self._layouts[key] = _BucketLayout(bucket, self._index_of, self._group_of, buffer.device)
-        return layout
+    def _workspace(self, like: torch.Tensor) -> torch.Tensor:
+        work = self._workspaces.get(like.device)
+        if work is None or work.numel() < like.numel():
+            work = self._workspaces[like.device] = torch.empty(like.numel(), dtype=torch.float32,
+                                                               device=like.device)
+        return work[:like.numel()].view(like.shape)
 
-    def _workspace(self, device: torch.device, numel: int) -> torch.Tensor:
-        work = self._workspaces.get(device)
-        if work is None or work.numel() < numel:
-            work = self._workspaces[device] = torch.empty(numel, dtype=torch.float32, device=device)
-        return work
+    def _preconditioned(self, grad: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """``grad * root`` in the reusable workspace (valid until the next call)."""
+        return torch.mul(grad, root, out=self._workspace(grad))
 
-    def _group_sq(self, flat: torch.Tensor, layout: _BucketLayout) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per-group squared norms of a flat bucket (preconditioned if active)."""
-        source = flat
+    def _sq_norm(self, grad: torch.Tensor, root: Optional[torch.Tensor]) -> torch.Tensor:
+        source = grad if root is None else self._preconditioned(grad, root)
+        return torch.linalg.vector_norm(source, dtype=torch.float32).square()
+
+    def _roots(self) -> Sequence[Optional[torch.Tensor]]:
         if self._precondition_active():
-            source = self._workspace(flat.device, layout.numel)[:layout.numel]
-            source.copy_(flat.reshape(-1)[:layout.numel])
-            views, roots = layout.preconditioned_views(source, self._preconditioner.roots,
-                                                       self._preconditioner.version)
-            if views:
-                torch._foreach_mul_(views, roots)
-        out = torch.zeros(self._num_groups, dtype=torch.float32, device=flat.device)
-        if layout.runs:
-            norms = [torch.linalg.vector_norm(source[a:b], dtype=torch.float32) for a, b in layout.runs]
-            out.index_add_(0, layout.run_groups, torch.stack(norms).square())
-        return out, source
+            return self._preconditioner.roots
+        return [None] * len(self._params)
+
+    def _by_group(self, indices: Sequence[int], values: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(self._num_groups, dtype=torch.float32, device=self._device)
+        if indices:
+            groups = self._group_index[list(indices)]
+            out.index_add_(0, groups, torch.stack([v.to(self._device) for v in values]))
+        return out
+
+    def _group_sq(self, indices: Sequence[int]) -> torch.Tensor:
+        """Per-group squared norms of the (preconditioned) gradients of ``indices``."""
+        roots = self._roots()
+        plain = [i for i in indices if roots[i] is None]
+        values = []
+        if plain:
+            norms = torch._foreach_norm([self._params[i].grad for i in plain], 2, dtype=torch.float32)
+            values += [norm.square() for norm in norms]
+        scaled = [i for i in indices if roots[i] is not None]
+        values += [self._sq_norm(self._params[i].grad, roots[i]) for i in scaled]
+        return self._by_group(plain + scaled, values)
+
+    def _differenced(self, indices: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``|g_t|^2``, ``|g_{t-1}|^2`` and ``g_{t-1} . g_t`` per group.
+
+        The previous gradient is kept raw and preconditioned here with the
+        *current* preconditioner, so both partners are measured in the same
+        geometry even across a refresh.
+        """
+        roots = self._roots()
+        cur, prev, cross = [], [], []
+        for i in indices:
+            saved, root = self._prev_grads[i], roots[i]
+            grad = self._params[i].grad
+            if root is not None:
+                saved.mul_(root)
+                grad = self._preconditioned(grad, root)
+            cur.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            prev.append(torch.linalg.vector_norm(saved).square())
+            cross.append(torch.dot(grad.reshape(-1).float(), saved.reshape(-1)))
+        return self._by_group(indices, cur), self._by_group(indices, prev), self._by_group(indices, cross)
+
+    def _store(self, indices: Sequence[int]) -> None:
+        """Keep this step's raw gradients as the next step's partner."""
+        for i in indices:
+            grad = self._params[i].grad
+            saved = self._prev_grads.get(i)
+            if saved is None or saved.shape != grad.shape or saved.device != grad.device:
+                saved = self._prev_grads[i] = torch.empty_like(grad, dtype=torch.float32)
+            saved.copy_(grad)
 
     # ------------------------------------------------------------ averaging
     def _flush(self) -> None:

@@ -97,17 +97,19 @@ class AdaptiveDataParallel(DistributedDataParallel):
         name: checkpoint name; give distinct names when a job trains
             several models.
         gns_interval: measure the gradient noise every this many optimizer
-            steps (>= 1). Each measurement reads the gradients twice more
-            (norms before and after the all-reduce), which is noticeable on
-            CPUs and for small models; the noise scale changes slowly, so
-            every few steps is enough.
+            steps (>= 1, default 4).  A measured step reads the gradients
+            about twice more (their norms before and after the
+            all-reduce), which shows on CPUs and for small models; the
+            noise scale changes slowly, so every few steps is enough (the
+            moving averages weigh each measurement for the steps since
+            the last one).
         **kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
             ``find_unused_parameters``, ``bucket_cap_mb``, ...).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, scaler: Any = None, *, scaling_rule: Any = None,
-                 name: str = "model", gns_interval: int = 1, **kwargs: Any) -> None:
+                 name: str = "model", gns_interval: int = 4, **kwargs: Any) -> None:
         _check_optimizer(optimizer, module)
         if isinstance(gns_interval, bool) or not isinstance(gns_interval, int) or gns_interval < 1:
             raise ValueError(f"gns_interval must be an int >= 1 (optimizer steps), got {gns_interval!r}")
@@ -116,11 +118,12 @@ class AdaptiveDataParallel(DistributedDataParallel):
                 raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveDataParallel")
             collectives.init_process_group("nccl" if next(module.parameters()).is_cuda else "gloo")
         super().__init__(module, **kwargs)
+        self._replicas = torch.distributed.get_world_size(self.process_group)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
         self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler, measure_interval=gns_interval)
-        self.gns.attach(self)
+        self.gns.attach(self, is_last_micro_step=lambda: not _is_accumulation_step())
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
         # The loader's per-step LR factor (actual / planned step size) nests around the rule's hooks.
         self.step_lr = StepLRFactor(_loader_lr_factor)
@@ -137,8 +140,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
                         ", grad scaler" if scaler is not None else "")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # Exactly what ``no_sync()`` does, decided per micro-step by the loader.
-        self.require_backward_grad_sync = not _is_accumulation_step()
+        # Exactly what ``no_sync()`` does, decided per micro-step by the loader.  With one
+        # replica there is nothing to reduce: DDP's bucket copies are skipped altogether.
+        self.require_backward_grad_sync = self._replicas > 1 and not _is_accumulation_step()
         return super().forward(*inputs, **kwargs)
 
     def to_tensorboard(self, writer: Any, step: int) -> None:
@@ -159,8 +163,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def gradient_divisor(self, micro_steps: int) -> int:
         """What the reduction divides the gradient summed over replicas and micro-steps by.
 
-        The communication hook (:meth:`adaptive.gns.GradientNoiseScale.attach`)
-        averages over replicas and over the step's ``micro_steps``; the loader
+        DDP averages over replicas and the noise-scale measurement
+        (:meth:`adaptive.gns.GradientNoiseScale.attach`) over the step's
+        ``micro_steps``; the loader
         uses this to weight losses so a step's gradient is a mean over its tokens.
         """
         return env.num_replicas() * micro_steps

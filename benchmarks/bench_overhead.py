@@ -60,15 +60,12 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
     adaptive.init_process_group("gloo")
     data = torch.utils.data.TensorDataset(torch.randn(8192, 1024), torch.randint(0, 10, (8192,)))
-    plain_model = _model(args.width)
-    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
-    plain = torch.nn.parallel.DistributedDataParallel(plain_model)
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
-    plain_loader = torch.utils.data.DataLoader(data, batch_size=args.batch // 2, sampler=sampler)
-    ours_model = _model(args.width)
-    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.01)
-    ours = adaptive.AdaptiveDataParallel(ours_model, ours_opt, gns_interval=args.gns_interval)
-    ours_loader = adaptive.AdaptiveDataLoader(data, batch_size=args.batch, shuffle=True)
+    builders = [_build_plain, _build_ours]
+    if args.ours_first:  # memory placement can favour whichever is built first; launches alternate
+        builders.reverse()
+    built = dict(build(adaptive, data, args) for build in builders)
+    plain, plain_opt, plain_loader = built["plain"]
+    ours, ours_opt, ours_loader = built["ours"]
     results = {"plain": [], "ours": []}
     _timed_steps(plain, plain_opt, plain_loader, 3)  # warm-up
     ours_iter = _adaptive_batches(adaptive, ours_loader)
@@ -78,13 +75,30 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         ours_opt.zero_grad()
         loss.backward()
         ours_opt.step()
-    for _ in range(args.blocks):
-        results["plain"] += _timed_steps(plain, plain_opt, plain_loader, args.steps)
-        results["ours"] += _timed_steps(ours, ours_opt, _Forever(ours_iter), args.steps)
+    for block in range(args.blocks):  # alternate which set-up goes first
+        runs = [("plain", plain, plain_opt, plain_loader), ("ours", ours, ours_opt, _Forever(ours_iter))]
+        for name, model, optimizer, batches in runs[::1 if block % 2 == 0 else -1]:
+            results[name].append(_timed_steps(model, optimizer, batches, args.steps))
     ours_iter.close()
     if rank == 0:
         Path(out, "times.json").write_text(json.dumps(results))
     dist.barrier()
+
+
+def _build_plain(adaptive, data, args):
+    model = _model(args.width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch // 2, sampler=sampler)
+    return "plain", (torch.nn.parallel.DistributedDataParallel(model), optimizer, loader)
+
+
+def _build_ours(adaptive, data, args):
+    model = _model(args.width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    options = {} if args.gns_interval is None else {"gns_interval": args.gns_interval}
+    wrapped = adaptive.AdaptiveDataParallel(model, optimizer, **options)
+    return "ours", (wrapped, optimizer, adaptive.AdaptiveDataLoader(data, batch_size=args.batch, shuffle=True))
 
 
 def _adaptive_batches(adaptive, loader):
@@ -108,30 +122,48 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=128, help="global batch size")
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--gns-interval", type=int, default=1, help="AdaptiveDataParallel(gns_interval=...)")
-    parser.add_argument("--steps", type=int, default=15, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--gns-interval", type=int, default=None,
+                        help="AdaptiveDataParallel(gns_interval=...); default: the library's default")
+    parser.add_argument("--launches", type=int, default=3, help="separate 2-process runs, built in alternating order")
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--json", default=str(HERE / "results" / "bench_overhead.json"))
     args = parser.parse_args()
     if args.quick:
-        args.width, args.blocks, args.steps = 512, 3, 5
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(portpicker.pick_unused_port(), args, out), nprocs=2, join=True)
-        times = json.loads(Path(out, "times.json").read_text())
+        args.width, args.blocks, args.steps, args.launches = 512, 3, 5, 1
+    runs = []
+    for launch in range(args.launches):
+        args.ours_first = launch % 2 == 1
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_worker, args=(portpicker.pick_unused_port(), args, out), nprocs=2, join=True)
+            runs.append(json.loads(Path(out, "times.json").read_text()))
     params = sum(p.numel() for p in _model(args.width).parameters())
+    times = {name: [t for run in runs for block in run[name] for t in block] for name in ("plain", "ours")}
     medians = {name: statistics.median(values) for name, values in times.items()}
-    ratio = medians["ours"] / medians["plain"]
+    # Blocks of a pair ran back to back, so their ratio cancels slow drifts of the machine.
+    block_ratios = sorted(statistics.median(o) / statistics.median(p)
+                          for run in runs for p, o in zip(run["plain"], run["ours"]))
+    ratio = statistics.median(block_ratios)
+    quartiles = (block_ratios[len(block_ratios) // 4], block_ratios[(3 * len(block_ratios)) // 4])
+    launch_ratios = [statistics.median([t for b in run["ours"] for t in b])
+                     / statistics.median([t for b in run["plain"] for t in b]) for run in runs]
     print(f"step time, 2 gloo processes, MLP {params / 1e6:.1f}M params, global batch {args.batch}, "
-          f"{args.blocks} alternating blocks x {args.steps} steps")
+          f"{args.launches} launches x {args.blocks} alternating blocks x {args.steps} steps, "
+          f"gns_interval={'default' if args.gns_interval is None else args.gns_interval}")
     print(f"{'set-up':<44}{'median ms':>10}{'p90 ms':>10}")
     for name, label in (("plain", "DDP + DataLoader(DistributedSampler)"),
                         ("ours", "AdaptiveDataParallel (GNS) + AdaptiveDataLoader")):
         values = sorted(times[name])
         print(f"{label:<44}{1e3 * medians[name]:>10.1f}{1e3 * values[int(0.9 * (len(values) - 1))]:>10.1f}")
-    print(f"median ratio ours / plain: {ratio:.3f} (target <= 1.03)")
+    print(f"ours / plain, median of {len(block_ratios)} block-pair ratios: {ratio:.3f} (quartiles "
+          f"{quartiles[0]:.3f}-{quartiles[1]:.3f}; target <= 1.03); per launch: "
+          + " / ".join(f"{r:.3f}" for r in launch_ratios))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"params": params, "batch": args.batch, "median_s": medians,
-                                           "ratio": ratio, "times": times}, indent=2))
+                                           "ratio": ratio, "quartiles": quartiles,
+                                           "launch_ratios": launch_ratios, "block_ratios": block_ratios,
+                                           "gns_interval": args.gns_interval,
+                                           "times": times}, indent=2))
 
 
 if __name__ == "__main__":
