@@ -14,7 +14,12 @@ squared norm of the average::
 
 This module keeps bias-corrected exponential moving averages (as Adam does)
 of ``sqr = |G|^2`` and ``var = tr(Sigma) / init_batch_size`` per optimizer
-parameter group, and derives
+parameter group.  Each measurement is weighted by the inverse of its
+squared gradient norm: early in training the gradient shrinks by orders of
+magnitude within a few hundred steps, and plain averages would stay
+dominated by the first steps long after the ratio of the two has moved on
+(with steady gradients the weights are equal and nothing changes).  From
+them it derives
 
 * ``noise_scale() = tr(Sigma) / |G|^2`` (the simple noise scale, in samples);
 * ``gain(scale) = (var + sqr) / (var / scale + sqr)``: how many reference
@@ -192,17 +197,21 @@ def estimate_from_norms(small_sqr: Any, big_sqr: Any, count: int, small_batch: i
 
 
 class _GroupEma:
-    """Bias-corrected exponential moving averages of per-group sqr and var."""
+    """Bias-corrected exponential moving averages of per-group sqr and var.
+
+    Each measurement weighs ``importance * (1 - decay)``; the read-out is
+    ``sqr / weight`` (``var / weight``), a weighted mean of the measurements.
+    """
 
     def __init__(self, num_groups: int) -> None:
         self.sqr = np.zeros(num_groups)
         self.var = np.zeros(num_groups)
         self.weight = 0.0
 
-    def update(self, sqr: np.ndarray, var: np.ndarray, decay: float) -> None:
-        self.sqr = decay * self.sqr + (1.0 - decay) * sqr
-        self.var = decay * self.var + (1.0 - decay) * var
-        self.weight = decay * self.weight + (1.0 - decay)
+    def update(self, sqr: np.ndarray, var: np.ndarray, decay: float, importance: float = 1.0) -> None:
+        self.sqr = decay * self.sqr + (1.0 - decay) * importance * sqr
+        self.var = decay * self.var + (1.0 - decay) * importance * var
+        self.weight = decay * self.weight + (1.0 - decay) * importance
 
     def discount(self, factor: float) -> None:
         """Keep the current estimate but let new data outweigh it sooner."""
@@ -214,6 +223,29 @@ class _GroupEma:
         self.sqr[:] = 0.0
         self.var[:] = 0.0
         self.weight = 0.0
+
+
+class _Magnitude:
+    """Bias-corrected moving average of the measured squared gradient norm, over
+    the last few measurements (it sets the weight of the next one)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self._decay = decay
+        self._sum = 0.0
+        self._weight = 0.0
+
+    def value(self, default: float) -> float:
+        return self._sum / self._weight if self._weight > 0 else default
+
+    def update(self, value: float) -> None:
+        self._sum = self._decay * self._sum + (1.0 - self._decay) * value
+        self._weight = self._decay * self._weight + (1.0 - self._decay)
+
+    def state_dict(self) -> List[float]:
+        return [self._sum, self._weight]
+
+    def load_state_dict(self, state: Sequence[float]) -> None:
+        self._sum, self._weight = (float(v) for v in state)
 
 
 class _Preconditioner:
@@ -338,6 +370,7 @@ class GradientNoiseScale:
         self._enabled = True
         self._num_groups = len(optimizer.param_groups)
         self._ema = _GroupEma(self._num_groups)
+        self._magnitude = _Magnitude()
         self._ema_estimator: Optional[str] = None
         self._updates = 0
         self._skipped = 0
@@ -555,6 +588,7 @@ class GradientNoiseScale:
         with self._lock:
             self._pending = None
             self._ema.reset()
+            self._magnitude = _Magnitude()
             self._ema_estimator = None
             self._prev_meta = None
 
@@ -563,15 +597,16 @@ class GradientNoiseScale:
         """The estimates as plain floats, ints, lists and strings."""
         with self._lock:
             self._flush()
-            return {"version": 1, "sqr": self._ema.sqr.tolist(), "var": self._ema.var.tolist(),
+            return {"version": 2, "sqr": self._ema.sqr.tolist(), "var": self._ema.var.tolist(),
                     "weight": self._ema.weight, "estimator": self._ema_estimator or "",
+                    "magnitude": self._magnitude.state_dict(),
                     "updates": self._updates, "skipped": self._skipped,
                     "init_batch_size": self._config.init_batch_size if self._config else 0}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (same number of parameter groups)."""
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError("GradientNoiseScale state must be a dict with version 1")
+        if not isinstance(state, Mapping) or state.get("version") not in (1, 2):
+            raise ValueError("GradientNoiseScale state must be a dict with version 1 or 2")
         sqr, var = np.asarray(state["sqr"], dtype=float), np.asarray(state["var"], dtype=float)
         if sqr.shape != (self._num_groups,) or var.shape != (self._num_groups,):
             raise ValueError(f"GradientNoiseScale state has {sqr.size} parameter groups, "
@@ -581,6 +616,13 @@ class GradientNoiseScale:
             self._prev_meta = None
             self._ema.sqr, self._ema.var = sqr.copy(), var.copy()
             self._ema.weight = float(state["weight"])
+            self._magnitude = _Magnitude()
+            if "magnitude" in state:
+                self._magnitude.load_state_dict(state["magnitude"])
+            if state["version"] == 1 and self._ema.weight > 0:  # unweighted averages: weigh them as one
+                magnitude = float(np.sum(sqr + var)) / self._ema.weight  # measurement of that size
+                if magnitude > 0:
+                    self._ema.discount(1.0 / magnitude)
             saved_init = int(state.get("init_batch_size", 0))
             if saved_init and self._config is not None and saved_init != self._config.init_batch_size:
                 self._ema.var *= saved_init / self._config.init_batch_size
@@ -839,12 +881,22 @@ class GradientNoiseScale:
             self._prev_meta = None
             logger.debug("skipping a gradient-noise measurement with non-finite gradients")
             return
+        total = float(np.sum(small))
+        if not total > 0:  # all gradients exactly zero: nothing to learn from
+            self._prev_meta = None
+            return
+        importance = 1.0 / self._magnitude.value(default=total)
+        self._magnitude.update(total)
         if self._ema_estimator not in (None, record.estimator):
             logger.info("gradient noise estimator changed from %s to %s; discounting earlier estimates",
                         self._ema_estimator, record.estimator)
             self._ema.discount(_SWITCH_DISCOUNT)
         self._ema_estimator = record.estimator
-        self._ema.update(sqr, var, self._smoothing ** (samples / config.init_batch_size))
+        # Weighted by 1 / |g_small|^2 (as recent measurements had it: a weight taken from
+        # this measurement's own noise would bias the averages): early in training
+        # gradients shrink by orders of magnitude, and plain averages of sqr and var would
+        # stay dominated by the first steps long after their ratio has moved on.
+        self._ema.update(sqr, var, self._smoothing ** (samples / config.init_batch_size), importance=importance)
         self._updates += 1
 
     def _fail(self, where: str) -> None:

@@ -299,6 +299,43 @@ def test_readouts_before_measurement_and_state_dict(process_group):
     assert fresh.noise_scale() == pytest.approx(gns.noise_scale())
     with pytest.raises(ValueError, match="parameter groups"):
         GradientNoiseScale(torch.optim.SGD(problem.model().parameters(), lr=0.1)).load_state_dict(state)
+    # A version-1 state (unweighted averages) reads the same and takes new measurements.
+    legacy = {key: value for key, value in state.items() if key != "magnitude"}
+    legacy.update(version=1, sqr=[v * 1e3 for v in state["sqr"]], var=[v * 1e3 for v in state["var"]],
+                  weight=state["weight"] * 1e3)
+    old = GradientNoiseScale(_two_groups(problem.model()))
+    old.load_state_dict(legacy)
+    old.set_batch_config(init_batch_size=LOCAL_BSZ, local_bsz=LOCAL_BSZ)
+    assert old.sqr_avg() == pytest.approx(gns.sqr_avg()) and old.noise_scale() == pytest.approx(gns.noise_scale())
+    assert old.state_dict()["weight"] == pytest.approx(state["weight"] * 1e3 / (gns.sqr_avg() + gns.var_avg()))
+
+
+def test_early_large_gradients_do_not_dominate_the_estimate(process_group):
+    """Gradients that shrink (as early in training) must not pin the noise scale
+    to its early value: 100 steps with 10x larger gradients (loss x 10) at one
+    noise scale, then 400 steps at another.  Measurements count alike whatever
+    their size, so the estimate lies mostly at the second value; plain averages
+    of |G|^2 and tr(Sigma) would be 96% the first."""
+    early, late = Problem(seed=24), Problem(seed=24)
+    late.delta = early.delta / 6.0  # a smaller true gradient: a larger noise scale
+    late.grad_mean = late.delta
+    late.sigma_diag = (float(late.delta @ late.delta) + SIGMA ** 2) + late.delta ** 2
+    ddp, optimizer, gns = _setup(early, accum=2)
+    gen = torch.Generator().manual_seed(25)
+    for problem, steps, loss_scale in ((early, 100, 10.0), (late, 400, 1.0)):
+        with torch.no_grad():
+            for param, value in zip(ddp.module.parameters(), problem.model().parameters()):
+                param.copy_(value)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            for micro in range(2):
+                x, y = problem.batch(gen, LOCAL_BSZ)
+                with (torch.enable_grad() if micro == 1 else ddp.no_sync()):
+                    (loss_scale * 0.5 * ((ddp(x) - y) ** 2).mean()).backward()
+            optimizer.step()
+    first, second, estimate = early.noise_scale(), late.noise_scale(), gns.noise_scale()
+    assert second > 2 * first
+    assert abs(math.log(estimate / second)) < 0.5 * abs(math.log(estimate / first))
 
 
 def test_estimator_switch_keeps_a_usable_estimate(process_group):
