@@ -35,6 +35,12 @@ __all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
 
 logger = logging.getLogger(__name__)
 
+#: Rank 0 re-evaluates the goodput model at most once per this many times the
+#: last evaluation took (it then spends at most 1% of the time on it).
+EVALUATION_BUDGET = 100
+#: Hints are rewritten after every evaluation, and at least this often.
+HINTS_REFRESH_SECONDS = 30.0
+
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
@@ -103,6 +109,10 @@ class BatchSizeController:
         self._state = _AutoscaleState(f"adaptive.autoscale.{name}")
         checkpoint.load_state(self._state)
         self._warm: tuple[int, int, int] | None = None
+        self._evaluated_at: float | None = None  # when rank 0 last evaluated the model (monotonic)
+        self._evaluation_cost = 0.0  # seconds that evaluation took
+        self._reported_at: float | None = None
+        self._fresh = False  # evaluated since the hints were last reported
 
     @property
     def profile(self) -> ThroughputProfile:
@@ -181,9 +191,16 @@ class BatchSizeController:
                      current=CurrentConfig(env.num_nodes(), env.num_replicas(), local, accum))
 
     def report_hints(self, grad_params: Any, progress: float) -> None:
-        """Write (and send, if a supervisor is configured) the hints; rank 0 only, never raises on I/O."""
-        if env.rank() != 0:
+        """Write (and send, if a supervisor is configured) the hints; rank 0 only, never raises on I/O.
+
+        Only after a new evaluation of the model, or when the last report is
+        older than :data:`HINTS_REFRESH_SECONDS` (progress moves on).
+        """
+        now = time.monotonic()
+        if env.rank() != 0 or not (self._fresh or self._reported_at is None
+                                   or now - self._reported_at >= HINTS_REFRESH_SECONDS):
             return
+        self._fresh, self._reported_at = False, now
         try:
             hints = self.hints(grad_params, progress)
             write_hints(hints, env.checkpoint_path())
@@ -200,7 +217,12 @@ class BatchSizeController:
         Rank 0 evaluates the model and broadcasts its choice; every replica
         returns the same :class:`Decision`, or None when nothing changes.
         """
-        decision = self._propose(grad_params, force) if env.rank() == 0 else None
+        decision = None
+        if env.rank() == 0 and (force or self._evaluation_due()):
+            started = time.perf_counter()
+            decision = self._propose(grad_params, force)
+            self._evaluation_cost = time.perf_counter() - started
+            self._evaluated_at, self._fresh = time.monotonic(), True
         decision = collectives.broadcast_object(decision)
         if force and env.rank() == 0:
             local, accum = self.current()
@@ -211,6 +233,16 @@ class BatchSizeController:
         if decision is not None:
             self._state.local_bsz, self._state.accum_steps = decision.local_bsz, decision.accum_steps
         return decision
+
+    def _evaluation_due(self) -> bool:
+        """Whether fitting and optimizing again keeps them under 1/EVALUATION_BUDGET of the time.
+
+        With short steps (small models, small batches) ``adapt_every`` steps
+        can take less than a second while one evaluation takes milliseconds.
+        """
+        if self._evaluated_at is None:
+            return True
+        return time.monotonic() - self._evaluated_at >= EVALUATION_BUDGET * self._evaluation_cost
 
     def _propose(self, grad_params: Any, force: bool) -> Decision | None:
         function = self.goodput_function(grad_params)

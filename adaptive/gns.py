@@ -675,6 +675,7 @@ class GradientNoiseScale:
         """DDP forward hook: mark where this forward's backward will start."""
         if not torch.is_grad_enabled():
             return
+        self._in_backward = False  # (stale only if a backward raised before its callbacks ran)
         sync = bool(self._is_last_micro_step())
         for tensor in _output_tensors(output):
             if tensor.requires_grad:
@@ -684,15 +685,16 @@ class GradientNoiseScale:
         """Gradient hook on the model's output: a backward through the model begins."""
         if self._in_backward:  # another output of the same forward
             return
-        try:
-            self._in_backward = True
-            if not self._step_open:
+        self._in_backward = True
+        if not self._step_open:
+            try:
                 self._begin_step()
-            self._micro_steps += 1
-            Variable._execution_engine.queue_callback(functools.partial(self._after_backward, sync))
-        except Exception:  # never break the user's backward
-            self._in_backward = False
-            self._fail("backward-start hook")
+            except Exception:  # never break the user's backward; keep averaging micro-steps
+                self._reset_step()
+                self._step_open = True
+                self._fail("backward-start hook")
+        self._micro_steps += 1
+        Variable._execution_engine.queue_callback(functools.partial(self._after_backward, sync))
 
     def _after_backward(self, sync: bool) -> None:
         """End of a backward, before DDP's finalisation (queued ahead of it)."""

@@ -1,10 +1,13 @@
 """Overhead of AdaptiveDataParallel (GNS on) + AdaptiveDataLoader against plain DDP + DataLoader.
 
 Two gloo processes train the same ~8.4M-parameter MLP at the same batch size.
-Each process alternates blocks of steps between the two set-ups (so machine
-noise hits both alike) and the median step time of each is compared.
+Each process alternates blocks of steps between the two set-ups, changing
+which goes first (so machine noise hits both alike); the result is the
+median over all block pairs of (our median step time / plain median step
+time).  Several launches build the two set-ups in alternating order, since
+memory placement can favour whichever is built first.
 
-    python benchmarks/bench_overhead.py [--quick] [--json PATH]
+    python benchmarks/bench_overhead.py [--quick] [--gns-interval N] [--launches N] [--json PATH]
 """
 from __future__ import annotations
 

@@ -59,3 +59,33 @@ def test_controller_keeps_small_batches_when_noise_is_small(job):
     controller = _controller(job, accumulation=False)
     decision = controller.decide(GradParams(sqr=1.0, var=0.01))
     assert decision is None or decision.local_bsz <= 32
+
+
+def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monkeypatch, tmp_path):
+    """Decisions due every step (adapt_every=1) are evaluated only once 100x the last
+    evaluation's duration has passed; the hints file follows the evaluations."""
+    import adaptive.autoscale as autoscale
+    from adaptive import env
+
+    monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))
+    clock = {"now": 100.0}
+    monkeypatch.setattr(autoscale.time, "monotonic", lambda: clock["now"])
+    controller = _controller(job, accumulation=False)
+    evaluations = []
+    propose = controller._propose
+    monkeypatch.setattr(controller, "_propose", lambda *a: evaluations.append(clock["now"]) or propose(*a))
+    grad = GradParams(sqr=1.0, var=200.0)
+    controller.decide(grad)
+    controller.report_hints(grad, progress=1.0)
+    written = (tmp_path / "hints.json").stat().st_mtime_ns
+    controller._evaluation_cost = 0.01  # as if that evaluation took 10 ms
+    for _ in range(5):  # 0.5 s later: not yet 100 x 10 ms
+        clock["now"] += 0.1
+        assert controller.decide(grad) is None
+        controller.report_hints(grad, progress=1.0)
+    assert len(evaluations) == 1 and (tmp_path / "hints.json").stat().st_mtime_ns == written
+    clock["now"] += 0.6  # 1.1 s after the evaluation
+    controller.decide(grad)
+    assert len(evaluations) == 2
+    controller.decide(grad, force=True)  # a new replica count is never put off
+    assert len(evaluations) == 3
