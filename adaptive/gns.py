@@ -745,12 +745,17 @@ class GradientNoiseScale:
             self._reset_step()
 
     def _divide_grads(self, divisor: int) -> None:
-        dense = [p.grad for p in self._trained if p.grad is not None and not p.grad.is_sparse]
+        dense = []
+        for param in self._trained:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                grad.div_(divisor)
+            else:
+                dense.append(grad)
         if dense:
             torch._foreach_div_(dense, divisor)
-        for param in self._trained:
-            if param.grad is not None and param.grad.is_sparse:
-                param.grad.div_(divisor)
 
     def _collect(self, micro_steps: int) -> None:
         config, world = self._config, self._world_size
