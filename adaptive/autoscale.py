@@ -40,6 +40,14 @@ logger = logging.getLogger(__name__)
 EVALUATION_BUDGET = 100
 #: Hints are rewritten after every evaluation, and at least this often.
 HINTS_REFRESH_SECONDS = 30.0
+#: A local batch size this many times beyond the largest one measured on the
+#: current placement is unexplored territory for the throughput model.
+EXPLORATION_MARGIN = 1.25
+#: The throughput model is trusted up to this many times the largest local
+#: batch size measured: beyond that it extrapolates a line fitted to a few
+#: small batches, whose fixed costs (communication, Python) hide how compute
+#: grows.  Larger batches are reached in steps, each one measured first.
+GROWTH_LIMIT = 4
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,7 @@ class BatchSizeController:
         local, accum = self.current()
         goodput, best_local, best_accum = function.optimize(
             nodes, replicas, max_batch_size=self.config.max_batch_size,
-            local_bsz_bounds=self.config.local_bsz_bounds,
+            local_bsz_bounds=self._trusted_bounds(),
             gradient_accumulation=self.config.gradient_accumulation)
         goodput, best_local, best_accum = float(goodput), int(best_local), int(best_accum)
         now = float(function.evaluate(nodes, replicas, local, accum))
@@ -260,23 +268,41 @@ class BatchSizeController:
                      goodput, best_local, best_accum)
         if (best_local, best_accum) == (local, accum) or goodput <= 0 or \
                 (not force and goodput <= now * (1 + self.config.hysteresis)):
-            return self._explore(function, local, accum, now)
+            return self._explore(function, local, accum, now, (best_local, best_accum, goodput))
         reason = "the replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
         return Decision(best_local, best_accum, goodput, now, reason)
 
-    def _explore(self, function: GoodputFunction, local: int, accum: int, now: float) -> Decision | None:
-        """Try a larger local batch once, while only one size was ever measured on this placement.
+    def _trusted_bounds(self) -> tuple[int, int]:
+        """The user's local batch bounds, capped at GROWTH_LIMIT times the largest size measured."""
+        lo, hi = self.config.local_bsz_bounds
+        largest = int(self.profile.to_arrays()["local_bsz"].max(initial=0))
+        return (lo, hi) if largest == 0 else (lo, max(lo, min(hi, GROWTH_LIMIT * largest)))
 
-        With a single local batch size the throughput model cannot tell fixed
-        costs from per-sample costs, and its cautious prior would keep the
-        batch where it started.  One measured step at twice the size settles
-        it.  The fitted model is least trustworthy exactly here, so the try
-        is skipped only when it predicts losing more than half the goodput.
+    def _explore(self, function: GoodputFunction, local: int, accum: int, now: float,
+                 best: tuple[int, int, float]) -> Decision | None:
+        """Measure a larger local batch when the throughput model cannot judge it.
+
+        * While only one size was measured on this placement, the model
+          cannot tell fixed costs from per-sample costs, and its cautious
+          prior would keep the batch where it started: try twice the size
+          (skipped only when the model predicts losing more than half the
+          goodput, since it is least trustworthy exactly here).
+        * When the best configuration lies beyond the largest size measured
+          (by EXPLORATION_MARGIN) and is predicted no worse than the current
+          one, but by less than ``hysteresis``: the model extrapolates there,
+          so measuring it is worth more than the margin.  Without this the
+          batch can stay below sizes that would be faster, since an
+          extrapolated gain rarely clears the hysteresis.
         """
         nodes, replicas = env.num_nodes(), env.num_replicas()
         arrays = self.profile.to_arrays()
         here = (arrays["num_nodes"] == nodes) & (arrays["num_replicas"] == replicas)
-        if len(set(arrays["local_bsz"][here].tolist())) > 1:
+        measured = set(arrays["local_bsz"][here].tolist())
+        best_local, best_accum, best_goodput = best
+        if len(measured) > 1:
+            if best_local > EXPLORATION_MARGIN * max(measured) and best_goodput >= now and best_goodput > 0:
+                return Decision(best_local, best_accum, best_goodput, now,
+                                "exploring: the best size lies beyond those measured")
             return None
         larger = min(2 * local, self.config.local_bsz_bounds[1])
         if larger == local or larger * accum * replicas > self.config.max_batch_size:

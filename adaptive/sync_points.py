@@ -4,9 +4,17 @@ Replicas learn about a stop at different moments: torchrun forwards SIGTERM
 to each worker separately, a scale-up restarts the workers one by one, and
 the periodic-checkpoint clock runs on rank 0 only.  To keep every replica at
 the same step, each replica contributes its flags to a tiny all-reduce (max)
-at every step boundary and acts on the agreed result one boundary later (the
-all-reduce overlaps with the step in between, so it costs next to nothing).
-Every replica therefore stops, or checkpoints, after the same step.
+at an *agreement* boundary and acts on the agreed result at the next one (the
+all-reduce overlaps with the steps in between).  Every replica therefore
+stops, or checkpoints, after the same step.
+
+With several replicas an agreement still costs about a millisecond of CPU
+(a round trip through the backend's threads), which is several percent of a
+short step.  So the replicas agree at most every ``AGREEMENT_INTERVAL``
+seconds: each agreement also settles, from every replica's step rate, how
+many step boundaries pass until the next one.  A stop or a due checkpoint is
+acted on within about two intervals.  A single replica agrees at every
+boundary (it has nobody to wait for).
 
 A graceful stop (SIGTERM or SIGINT) saves a checkpoint and exits with code
 143, inside torchrun's 30 s shutdown window.  A second SIGINT interrupts at
@@ -38,7 +46,12 @@ logger = logging.getLogger(__name__)
 #: Exit status after a graceful stop (128 + SIGTERM), as torchrun expects.
 GRACEFUL_EXIT_CODE = 143
 
-_STOP, _CHECKPOINT = 0, 1
+#: Seconds between agreements with several replicas (at least one step apart).
+AGREEMENT_INTERVAL = 0.1
+#: The most step boundaries between two agreements.
+MAX_SPACING = 1000
+
+_STOP, _CHECKPOINT, _SPACING = 0, 1, 2
 
 _stop_requested = False
 _stop_signal: int | None = None
@@ -46,6 +59,9 @@ _handlers_installed = False
 _previous_handlers: dict[int, Any] = {}
 _pending: Any = None
 _started = time.monotonic()
+_spacing = 1  # step boundaries from one agreement to the next (agreed by all replicas)
+_countdown = 0  # step boundaries left until the next agreement
+_agreed_at: float | None = None  # when the last agreement started (monotonic)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -90,8 +106,19 @@ def _checkpoint_due() -> bool:
     return elapsed >= interval
 
 
+def _proposed_spacing() -> int:
+    """Step boundaries that take about AGREEMENT_INTERVAL at this replica's recent pace."""
+    if _agreed_at is None or env.num_replicas() == 1:
+        return 1
+    per_boundary = (time.monotonic() - _agreed_at) / _spacing
+    if per_boundary <= 0:
+        return MAX_SPACING
+    return max(1, min(MAX_SPACING, round(AGREEMENT_INTERVAL / per_boundary)))
+
+
 def _local_flags() -> list[float]:
-    return [float(_stop_requested), float(_checkpoint_due())]
+    # The max over replicas of minus the spacing is minus the smallest spacing proposed.
+    return [float(_stop_requested), float(_checkpoint_due()), -float(_proposed_spacing())]
 
 
 def _act(agreed: list[float], metadata: Callable[[], dict]) -> None:
@@ -120,27 +147,36 @@ def _agreed(pending: Any) -> list[float]:
 def step_boundary(metadata: Callable[[], dict]) -> None:
     """Call between two steps on every replica; may checkpoint or exit.
 
-    Acts on the flags agreed at the previous boundary and starts agreeing on
-    this boundary's flags.  ``metadata`` describes the position for the
-    checkpoint's manifest (epoch, step, ...).
+    At an agreement boundary, acts on the flags agreed at the previous one
+    and starts agreeing on this one's; other boundaries return at once.
+    ``metadata`` describes the position for the checkpoint's manifest
+    (epoch, step, ...).
     """
-    global _pending
-    previous, _pending = _pending, collectives.allreduce_max_async(_local_flags())
+    global _pending, _countdown, _spacing, _agreed_at
+    if _countdown > 1:
+        _countdown -= 1
+        return
+    flags = _local_flags()
+    previous, _pending = _pending, collectives.allreduce_max_async(flags)
+    _agreed_at = time.monotonic()
     if previous is not None:
-        _act(_agreed(previous), metadata)
+        agreed = _agreed(previous)
+        _spacing = max(1, int(-agreed[_SPACING]))
+        _act(agreed, metadata)
+    _countdown = _spacing
 
 
 def final_boundary(metadata: Callable[[], dict]) -> None:
     """Call on every replica at the end of a loop: settle all agreements now."""
-    global _pending
-    previous, _pending = _pending, None
+    global _pending, _countdown
+    previous, _pending, _countdown = _pending, None, 0
     if previous is not None:
         _act(_agreed(previous), metadata)
     _act(_agreed(collectives.allreduce_max_async(_local_flags())), metadata)
 
 
 def _reset_for_tests() -> None:
-    global _stop_requested, _stop_signal, _pending, _started, _handlers_installed
+    global _stop_requested, _stop_signal, _pending, _started, _handlers_installed, _spacing, _countdown, _agreed_at
     if _handlers_installed and threading.current_thread() is threading.main_thread():
         for signum, handler in _previous_handlers.items():
             signal.signal(signum, handler)
@@ -149,3 +185,4 @@ def _reset_for_tests() -> None:
     _stop_signal = None
     _pending = None
     _started = time.monotonic()
+    _spacing, _countdown, _agreed_at = 1, 0, None

@@ -7,7 +7,10 @@ median over all block pairs of (our median step time / plain median step
 time).  Several launches build the two set-ups in alternating order, since
 memory placement can favour whichever is built first.
 
-    python benchmarks/bench_overhead.py [--quick] [--gns-interval N] [--launches N] [--json PATH]
+    python benchmarks/bench_overhead.py [--quick] [--optimizer adam] [--gns-interval N] [--launches N] [--json PATH]
+
+With ``--optimizer adam`` the noise scale is preconditioned by Adam's second
+moments (as in training with Adam), which costs a little more than with SGD.
 """
 from __future__ import annotations
 
@@ -88,9 +91,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     dist.barrier()
 
 
+def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
 def _build_plain(adaptive, data, args):
     model = _model(args.width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = _optimizer(model, args.optimizer)
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch // 2, sampler=sampler)
     return "plain", (torch.nn.parallel.DistributedDataParallel(model), optimizer, loader)
@@ -98,7 +107,7 @@ def _build_plain(adaptive, data, args):
 
 def _build_ours(adaptive, data, args):
     model = _model(args.width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = _optimizer(model, args.optimizer)
     options = {} if args.gns_interval is None else {"gns_interval": args.gns_interval}
     wrapped = adaptive.AdaptiveDataParallel(model, optimizer, **options)
     return "ours", (wrapped, optimizer, adaptive.AdaptiveDataLoader(data, batch_size=args.batch, shuffle=True))
@@ -126,6 +135,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=128, help="global batch size")
     parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--gns-interval", type=int, default=None,
                         help="AdaptiveDataParallel(gns_interval=...); default: the library's default")
     parser.add_argument("--launches", type=int, default=3, help="separate 2-process runs, built in alternating order")
@@ -152,7 +162,7 @@ def main() -> None:
                      / statistics.median([t for b in run["plain"] for t in b]) for run in runs]
     print(f"step time, 2 gloo processes, MLP {params / 1e6:.1f}M params, global batch {args.batch}, "
           f"{args.launches} launches x {args.blocks} alternating blocks x {args.steps} steps, "
-          f"gns_interval={'default' if args.gns_interval is None else args.gns_interval}")
+          f"{args.optimizer}, gns_interval={'default' if args.gns_interval is None else args.gns_interval}")
     print(f"{'set-up':<44}{'median ms':>10}{'p90 ms':>10}")
     for name, label in (("plain", "DDP + DataLoader(DistributedSampler)"),
                         ("ours", "AdaptiveDataParallel (GNS) + AdaptiveDataLoader")):
@@ -165,7 +175,7 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({"params": params, "batch": args.batch, "median_s": medians,
                                            "ratio": ratio, "quartiles": quartiles,
                                            "launch_ratios": launch_ratios, "block_ratios": block_ratios,
-                                           "gns_interval": args.gns_interval,
+                                           "gns_interval": args.gns_interval, "optimizer": args.optimizer,
                                            "times": times}, indent=2))
 
 

@@ -8,24 +8,29 @@ Training stops when the validation cross-entropy (nats per
 character, on the held-out tail of the text) reaches the target.
 
 * **Fixed sweep**: each batch size trains with plain PyTorch (DataLoader,
-  ``optimizer.step()``), its learning rate scaled from the base LR at batch
+  ``optimizer.step()``; DistributedSampler and DistributedDataParallel with
+  several replicas), its learning rate scaled from the base LR at batch
   32 by the linear and by the square-root rule; the faster of the two
   counts for that size.
 * **Autoscale**: AdaptiveDataLoader + AdaptiveDataParallel (its default
   rule for Adam: square-root AdaScale) starting at batch 32 with the base LR, ``autoscale_batch_size`` free to
   choose any batch up to the largest size of the sweep, mid-epoch.
 
-Each run is its own process with one thread; wall time counts training
-only (validation is timed separately and excluded). A run that has not
-reached the target after ``--max-seconds``, or after twice the best fixed
-time of its repeat so far, stops and counts as "not reached" (its time is
-a lower bound, and the sweep median treats it so).  Near the target the
+Each run is its own process with one thread, or ``--replicas N`` gloo
+processes under torchrun (data parallel: with several replicas small
+batches pay an all-reduce per step, as on a real cluster); wall time counts
+training only (rank 0 validates while the others wait; that time is
+excluded).  A run that has not reached the target after ``--max-seconds``,
+or after ``CAP_FACTOR`` times the best fixed time of its repeat so far,
+stops and counts as "not reached" (its time is a lower bound, and the sweep
+median treats it so).  Near the target the
 validation loss is on a noisy plateau, so single runs vary by 10-20%:
 ``--repeats N`` runs every configuration with seeds 0..N-1 (model
 initialisation and data order) and compares medians.
 
     python benchmarks/bench_time_to_target.py                # full sweep (about 12 minutes per repeat)
     python benchmarks/bench_time_to_target.py --repeats 3    # what the docs report
+    python benchmarks/bench_time_to_target.py --replicas 2 --repeats 3
     python benchmarks/bench_time_to_target.py --quick        # 3 sizes, one LR rule each
 """
 from __future__ import annotations
@@ -106,11 +111,40 @@ def validation_loss(model, valid) -> float:
 
 
 # ------------------------------------------------------------------ training
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _validate(model, valid, elapsed: float) -> tuple[float, float]:
+    """(validation loss, training seconds), both rank 0's, on every replica.
+
+    Rank 0 evaluates while the others wait in the broadcast, so every
+    replica stops after the same step."""
+    import torch
+    import torch.distributed as dist
+
+    value = validation_loss(model, valid) if _rank() == 0 else 0.0
+    if _world() > 1:
+        box = torch.tensor([value, elapsed], dtype=torch.float64)
+        dist.broadcast(box, src=0)
+        value, elapsed = box.tolist()
+    return value, elapsed
+
+
 def train_to_target(forward: Callable, model, optimizer, batches: Iterable, valid, target: float,
-                    eval_every: int, max_seconds: float, batch_size: Callable[[], int]) -> dict:
+                    eval_every: int, max_seconds: float, batch_size: Callable[[], int],
+                    samples_seen: Callable[[int], int]) -> dict:
     """The ordinary loop, shared by every configuration: step until the
     validation loss reaches ``target`` (checked every ``eval_every``
-    samples, not timed) or ``max_seconds`` of training have passed."""
+    samples, not timed) or ``max_seconds`` of training have passed.
+
+    ``samples_seen(n)`` is the number of samples (over all replicas)
+    trained so far, given that this replica has just trained a batch of
+    ``n``."""
     import torch
 
     start, excluded, samples, next_eval = time.perf_counter(), 0.0, 0, eval_every
@@ -120,13 +154,12 @@ def train_to_target(forward: Callable, model, optimizer, batches: Iterable, vali
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        samples += len(y)
+        samples = samples_seen(len(y))
         if samples < next_eval:
             continue
         next_eval += eval_every
         paused = time.perf_counter()
-        elapsed = paused - start - excluded
-        value = validation_loss(model, valid)
+        value, elapsed = _validate(model, valid, paused - start - excluded)
         excluded += time.perf_counter() - paused
         batches_seen.add(batch_size())
         curve.append((round(elapsed, 2), samples, round(value, 4), batch_size()))
@@ -139,22 +172,38 @@ def train_to_target(forward: Callable, model, optimizer, batches: Iterable, vali
 
 
 def fixed_batches(dataset, batch: int, seed: int) -> Iterator:
+    """This replica's share of shuffled global batches of ``batch``, epoch after epoch."""
     import torch
 
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, drop_last=True,
-                                         generator=torch.Generator().manual_seed(seed))
-    while True:
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=_world(), rank=_rank(), shuffle=True,
+                                                  seed=seed, drop_last=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch // _world(), sampler=sampler, drop_last=True)
+    for epoch in range(10_000):
+        sampler.set_epoch(epoch)
         yield from loader
 
 
 def run_fixed(batch: int, rule: str, target: float, eval_every: int, max_seconds: float, seed: int) -> dict:
+    """Plain PyTorch: a DataLoader and, with several replicas, DistributedDataParallel."""
+    import torch
+
     dataset, valid, vocab = make_task()
     model = make_model(vocab, seed)
+    forward = model
+    if _world() > 1:
+        torch.distributed.init_process_group("gloo")
+        forward = torch.nn.parallel.DistributedDataParallel(model)
     scale = batch / BASE_BATCH
     lr = BASE_LR * (scale if rule == "linear" else math.sqrt(scale))
     optimizer = make_optimizer(model, lr)
-    result = train_to_target(model, model, optimizer, fixed_batches(dataset, batch, seed), valid, target,
-                             eval_every, max_seconds, lambda: batch)
+    seen = [0]
+
+    def samples_seen(n: int) -> int:
+        seen[0] += n * _world()
+        return seen[0]
+
+    result = train_to_target(forward, model, optimizer, fixed_batches(dataset, batch, seed), valid, target,
+                             eval_every, max_seconds, lambda: batch, samples_seen)
     return dict(result, lr=lr, rule=rule)
 
 
@@ -169,23 +218,29 @@ def run_autoscale(target: float, eval_every: int, max_seconds: float, seed: int,
     optimizer = make_optimizer(model, BASE_LR)
     ddp = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(dataset, batch_size=BASE_BATCH, shuffle=True, drop_last=True, seed=seed)
-    loader.autoscale_batch_size(max_batch, (BASE_BATCH, max_batch))
+    loader.autoscale_batch_size(max_batch, (max(1, BASE_BATCH // _world()), max_batch))
 
     def batches() -> Iterator:
         for _ in adaptive.remaining_epochs_until(10_000):
             yield from loader
 
+    def samples_seen(n: int) -> int:  # the loader commits a step when the next one starts
+        return loader.consumed + (0 if loader.is_accumulation_step() else loader.current_step.size)
+
     result = train_to_target(ddp, model, optimizer, batches(), valid, target, eval_every, max_seconds,
-                             lambda: loader.batch_size)
+                             lambda: loader.batch_size, samples_seen)
     return dict(result, rule="sqrt AdaScale")
 
 
 # ------------------------------------------------------------------- driver
-def _subprocess(args: list[str], timeout: float) -> dict:
+def _subprocess(args: list[str], timeout: float, replicas: int) -> dict:
+    """One run in its own process, or under torchrun with several replicas; rank 0's result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", ADAPTIVE_JOB_ID="bench-time-to-target",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    launcher = [] if replicas == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                         f"--nproc-per-node={replicas}"]
+    result = subprocess.run([sys.executable, *launcher, __file__, *args], env=env, capture_output=True,
+                            text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"run {args} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -193,7 +248,7 @@ def _subprocess(args: list[str], timeout: float) -> dict:
 
 #: A fixed run is stopped once it takes this many times the best fixed time of its
 #: repeat so far: it can be neither the best nor faster than the median's bound.
-CAP_FACTOR = 2.0
+CAP_FACTOR = 1.6
 #: Sweep order: sizes near the usual optimum first, so the cap tightens early.
 SWEEP_ORDER = (256, 512, 1024, 128, 2048, 64, 32)
 
@@ -225,14 +280,15 @@ def _row(name: str, r: dict, note: str) -> str:
             f"{status}{f'  (repeats: {times} s)' if len(r.get('repeats', [])) > 1 else ''}")
 
 
-def _fixed_size(batch: int, quick: bool, seed: int, flags: list[str], cap: float, timeout: float) -> dict:
+def _fixed_size(batch: int, quick: bool, seed: int, flags: list[str], cap: float, timeout: float,
+                replicas: int) -> dict:
     """One fixed size with its better LR rule (the second rule only runs while it could win)."""
     runs: dict[str, dict] = {}
     rules = [QUICK[batch]] if quick or batch == BASE_BATCH else ["sqrt", "linear"]
     for rule in rules:  # (both rules give the base LR at the base batch)
         limit = min([cap] + [r["seconds"] for r in runs.values() if r["reached"]])
-        runs[rule] = _subprocess(["--run", "fixed", "--batch", str(batch), "--rule", rule, "--seed", str(seed),
-                                  *flags, "--max-seconds", str(limit)], timeout)
+        runs[rule] = _subprocess(["--configuration", "fixed", "--batch", str(batch), "--rule", rule, "--seed", str(seed),
+                                  *flags, "--max-seconds", str(limit)], timeout, replicas)
     best = min(runs, key=lambda rule: _rank_key(runs[rule]))
     return dict(runs[best], others={k: v for k, v in runs.items() if k != best})
 
@@ -251,32 +307,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every configuration, seeds 0..N-1 (model init and data order); "
                              "each configuration reports its median")
-    parser.add_argument("--json", default=str(HERE / "results" / "bench_time_to_target.json"))
-    parser.add_argument("--run", choices=("fixed", "autoscale"), help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel processes per run (gloo, one thread each; torchrun when > 1)")
+    parser.add_argument("--json", help="where to write the results (default: results/bench_time_to_target"
+                                       "[_<N>replicas].json)")
+    parser.add_argument("--configuration", choices=("fixed", "autoscale"), help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rule", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     common = (args.target, args.eval_every, args.max_seconds, args.seed)
-    if args.run == "fixed":
-        print(json.dumps(run_fixed(args.batch, args.rule, *common)))
+    if args.configuration is not None:
+        result = (run_fixed(args.batch, args.rule, *common) if args.configuration == "fixed"
+                  else run_autoscale(*common, max_batch=args.batch, out=args.out))
+        if _rank() == 0:
+            print(json.dumps(result))
         return
     sizes = sorted(QUICK) if args.quick else SIZES
-    if args.run == "autoscale":
-        with tempfile.TemporaryDirectory() as out:
-            print(json.dumps(run_autoscale(*common, max_batch=args.batch, out=out)))
-        return
+    if args.replicas < 1 or any(batch % args.replicas for batch in sizes):
+        parser.error(f"--replicas must divide every batch size of the sweep {sizes}, got {args.replicas}")
+    if args.json is None:
+        suffix = "" if args.replicas == 1 else f"_{args.replicas}replicas"
+        args.json = str(HERE / "results" / f"bench_time_to_target{suffix}.json")
     timeout = 3 * args.max_seconds + 300
     flags = ["--target", str(args.target), "--eval-every", str(args.eval_every)]
     autos, fixed_runs = [], {batch: [] for batch in sizes}
     for seed in range(args.repeats):
-        autos.append(_subprocess(["--run", "autoscale", "--batch", str(max(sizes)), "--seed", str(seed), *flags,
-                                  "--max-seconds", str(args.max_seconds)], timeout))
+        with tempfile.TemporaryDirectory() as out:
+            autos.append(_subprocess(["--configuration", "autoscale", "--batch", str(max(sizes)), "--seed", str(seed),
+                                      "--out", out, *flags, "--max-seconds", str(args.max_seconds)],
+                                     timeout, args.replicas))
         print(f"seed {seed}: autoscale {autos[-1]['seconds']:.1f} s, reached={autos[-1]['reached']}", flush=True)
         best = math.inf
         for batch in sorted(sizes, key=lambda b: SWEEP_ORDER.index(b) if b in SWEEP_ORDER else len(SWEEP_ORDER)):
             cap = min(args.max_seconds, CAP_FACTOR * best)
-            run = _fixed_size(batch, args.quick, seed, flags, cap, timeout)
+            run = _fixed_size(batch, args.quick, seed, flags, cap, timeout, args.replicas)
             fixed_runs[batch].append(run)
             if run["reached"]:
                 best = min(best, run["seconds"])
@@ -285,8 +351,8 @@ def main() -> None:
     auto = _summarise(autos)
     fixed = {batch: _summarise(runs) for batch, runs in fixed_runs.items()}
 
-    print(f"\ntime to validation loss {args.target} nats/char (1 process, 1 thread; training time only; "
-          f"median of {args.repeats} seed(s))")
+    print(f"\ntime to validation loss {args.target} nats/char ({args.replicas} process(es), 1 thread each; "
+          f"training time only; median of {args.repeats} seed(s))")
     print(f"{'configuration':<24}{'seconds':>9}{'samples':>11}{'loss':>8}  note")
     for batch, r in fixed.items():
         print(_row(f"fixed batch {batch}", r, f"LR {r['rule']} {r['lr']:.3g}"))
@@ -302,7 +368,7 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({
         "task": {"corpus": CORPUS, "context": CONTEXT, "hidden": HIDDEN, "base_batch": BASE_BATCH,
                  "base_lr": BASE_LR, "target_loss": args.target, "max_seconds": args.max_seconds,
-                 "repeats": args.repeats, "cap_factor": CAP_FACTOR},
+                 "repeats": args.repeats, "cap_factor": CAP_FACTOR, "replicas": args.replicas},
         "fixed": fixed, "fixed_runs": fixed_runs, "autoscale": auto, "autoscale_runs": autos,
         "autoscale_over_best": over_best, "median_over_autoscale": median_over,
         "median_is_lower_bound": median_is_bound}, indent=1))

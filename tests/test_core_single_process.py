@@ -244,3 +244,45 @@ def test_gns_interval_measures_every_nth_step(job):
     # 30 steps, one replica: the differenced estimator stores steps 2, 5, ..., 26
     # and pairs them with steps 3, 6, ..., 27
     assert model.gns.num_updates == 9
+
+
+def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, monkeypatch):
+    """With several replicas the stop/checkpoint agreement runs about every
+    AGREEMENT_INTERVAL seconds, at the spacing the slowest replica proposes,
+    and a stop is still acted on within two agreements (two replicas faked:
+    the other one proposes ``peer`` boundaries; the clock is fake)."""
+    from adaptive import collectives
+
+    clock = {"now": 0.0}
+    peer = {"spacing": 1000}
+    reduced: list[list[float]] = []
+
+    def fake_allreduce(values):
+        agreed = [max(values[0], 0.0), max(values[1], 0.0), max(values[2], -float(peer["spacing"]))]
+        reduced.append(agreed)
+        return collectives._Ready(torch.tensor(agreed, dtype=torch.float64))
+
+    monkeypatch.setattr(env, "num_replicas", lambda: 2)
+    monkeypatch.setattr(sync_points.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(collectives, "allreduce_max_async", fake_allreduce)
+    saved: list[dict] = []
+    monkeypatch.setattr(sync_points.checkpoint, "save_all_states", saved.append)
+    step_time = 0.01  # 10 ms steps: 10 boundaries per 0.1 s
+    for _ in range(200):
+        clock["now"] += step_time
+        sync_points.step_boundary(dict)
+    expected = sync_points.AGREEMENT_INTERVAL / step_time
+    assert reduced[-1][2] == -round(expected)
+    assert len(reduced) < 200 / expected + 5
+    peer["spacing"] = 3  # a slower peer: its (smaller) spacing wins at the next agreements
+    for _ in range(40):
+        clock["now"] += step_time
+        sync_points.step_boundary(dict)
+    assert reduced[-1][2] == -3
+    sync_points.request_stop()
+    with pytest.raises(SystemExit) as stopped:
+        for boundary in range(1, 100):
+            clock["now"] += step_time
+            sync_points.step_boundary(dict)
+    assert stopped.value.code == sync_points.GRACEFUL_EXIT_CODE and boundary <= 2 * 3
+    assert [info["reason"] for info in saved] == ["stop"]

@@ -61,6 +61,50 @@ def test_controller_keeps_small_batches_when_noise_is_small(job):
     assert decision is None or decision.local_bsz <= 32
 
 
+def test_controller_grows_the_batch_in_measured_steps(job, monkeypatch):
+    """Equal step times at two small sizes (fixed costs hide the compute) fit a model
+    that predicts free larger batches: the choice stays within GROWTH_LIMIT times the
+    largest size measured, and grows again once that size is measured."""
+    import adaptive.autoscale as autoscale
+
+    monkeypatch.setattr(autoscale, "EVALUATION_BUDGET", 0)  # evaluate at every decision
+    config = AutoscaleConfig(32, 4096, (16, 1024), False, adapt_every=1, hysteresis=0.0)
+    controller = BatchSizeController("test", config)
+    grad = GradParams(sqr=1.0, var=1e5)  # a huge noise scale: every batch size is efficient
+    measured = [16, 32]
+    for _ in range(2):
+        for local in measured:
+            for _ in range(3):  # (the first step at each size is not recorded)
+                controller.observe(local, 1, step_time=0.013, compute_time=None, data_time=0.0)
+        decision = controller.decide(grad)
+        assert decision is not None and decision.local_bsz == autoscale.GROWTH_LIMIT * measured[-1]
+        measured.append(decision.local_bsz)
+
+
+def test_controller_measures_a_better_size_beyond_those_measured(job, monkeypatch):
+    """A predicted gain below the hysteresis still moves the batch when the better size
+    lies beyond those measured (the model extrapolates there); within the measured
+    range it does not."""
+    import adaptive.autoscale as autoscale
+
+    monkeypatch.setattr(autoscale, "EVALUATION_BUDGET", 0)
+    config = AutoscaleConfig(32, 4096, (16, 1024), False, adapt_every=1, hysteresis=0.5)
+    controller = BatchSizeController("test", config)
+    grad = GradParams(sqr=1.0, var=1e5)
+    for local in (16, 32):  # per-sample time dominates: larger batches gain a few percent
+        for _ in range(3):
+            controller.observe(local, 1, step_time=0.001 + 0.001 * local, compute_time=None, data_time=0.0)
+    decision = controller.decide(grad)
+    assert decision is not None and decision.reason.startswith("exploring")
+    assert autoscale.EXPLORATION_MARGIN * 32 < decision.local_bsz <= autoscale.GROWTH_LIMIT * 32
+    assert decision.goodput < decision.previous_goodput * 1.5
+    for _ in range(3):
+        controller.observe(decision.local_bsz, 1, step_time=0.001 + 0.001 * decision.local_bsz,
+                           compute_time=None, data_time=0.0)
+    follow_up = controller.decide(grad)
+    assert follow_up is None or follow_up.local_bsz > autoscale.EXPLORATION_MARGIN * decision.local_bsz
+
+
 def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monkeypatch, tmp_path):
     """Decisions due every step (adapt_every=1) are evaluated only once 100x the last
     evaluation's duration has passed; the hints file follows the evaluations."""
