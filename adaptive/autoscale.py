@@ -258,9 +258,10 @@ class BatchSizeController:
             return None
         nodes, replicas = env.num_nodes(), env.num_replicas()
         local, accum = self.current()
+        profiled = self.profile.to_arrays()
         goodput, best_local, best_accum = function.optimize(
             nodes, replicas, max_batch_size=self.config.max_batch_size,
-            local_bsz_bounds=self._trusted_bounds(),
+            local_bsz_bounds=self._trusted_bounds(profiled),
             gradient_accumulation=self.config.gradient_accumulation)
         goodput, best_local, best_accum = float(goodput), int(best_local), int(best_accum)
         now = float(function.evaluate(nodes, replicas, local, accum))
@@ -268,17 +269,17 @@ class BatchSizeController:
                      goodput, best_local, best_accum)
         if (best_local, best_accum) == (local, accum) or goodput <= 0 or \
                 (not force and goodput <= now * (1 + self.config.hysteresis)):
-            return self._explore(function, local, accum, now, (best_local, best_accum, goodput))
+            return self._explore(function, profiled, local, accum, now, (best_local, best_accum, goodput))
         reason = "the replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
         return Decision(best_local, best_accum, goodput, now, reason)
 
-    def _trusted_bounds(self) -> tuple[int, int]:
+    def _trusted_bounds(self, arrays: dict) -> tuple[int, int]:
         """The user's local batch bounds, capped at GROWTH_LIMIT times the largest size measured."""
         lo, hi = self.config.local_bsz_bounds
-        largest = int(self.profile.to_arrays()["local_bsz"].max(initial=0))
+        largest = int(arrays["local_bsz"].max(initial=0))
         return (lo, hi) if largest == 0 else (lo, max(lo, min(hi, GROWTH_LIMIT * largest)))
 
-    def _explore(self, function: GoodputFunction, local: int, accum: int, now: float,
+    def _explore(self, function: GoodputFunction, arrays: dict, local: int, accum: int, now: float,
                  best: tuple[int, int, float]) -> Decision | None:
         """Measure a larger local batch when the throughput model cannot judge it.
 
@@ -295,7 +296,6 @@ class BatchSizeController:
           extrapolated gain rarely clears the hysteresis.
         """
         nodes, replicas = env.num_nodes(), env.num_replicas()
-        arrays = self.profile.to_arrays()
         here = (arrays["num_nodes"] == nodes) & (arrays["num_replicas"] == replicas)
         measured = set(arrays["local_bsz"][here].tolist())
         best_local, best_accum, best_goodput = best
