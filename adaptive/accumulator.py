@@ -20,6 +20,13 @@ inside it, reads and writes see the totals.
 Replay (guarantee G5): results of a ``synchronized()`` block that ran outside
 a loader loop are kept per epoch; when a restart replays that block, it gets
 the saved result and no communication happens.
+
+Naming: an accumulator created inside an epoch (the usual ``stats =
+Accumulator()`` at the top of a ``train()`` called every epoch) is named by
+the epoch and its creation order within it, so after a restart the same
+line in the same epoch finds the same totals, and an old epoch's totals
+never leak into a new epoch's accumulator.  It is checkpointed until its
+epoch ends.
 """
 
 from __future__ import annotations
@@ -39,8 +46,6 @@ from adaptive import checkpoint, collectives, dataloader_context, epoch
 __all__ = ["Accumulator"]
 
 logger = logging.getLogger(__name__)
-
-_instances = 0
 
 
 def _check_value(key: Any, value: Any) -> None:
@@ -94,8 +99,8 @@ def _decode(values: dict) -> dict:
 class _AccumulatorState(checkpoint.State):
     """Totals, this replica's pending increments, and saved results per epoch."""
 
-    def __init__(self, name: str, initial: dict) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, initial: dict, scope: int | None) -> None:
+        super().__init__(name, scope=scope)
         self.results: dict = dict(initial)
         self.updates: dict = {}
         self.results_history: dict[int | None, list[dict]] = {}
@@ -122,12 +127,12 @@ class Accumulator(collections.abc.MutableMapping):
 
     Args:
         *args, **kwargs: initial totals, as for ``dict``.
-        name: checkpoint name; default: the creation order ("0", "1", ...),
-            so create accumulators in the same order on every run.
+        name: checkpoint name; default: the creation order, ``"0"``, ``"1"``,
+            ... before the epoch loop and ``"e3.0"``, ``"e3.1"``, ... inside
+            epoch 3, so create accumulators in the same order on every run.
     """
 
     def __init__(self, *args: Any, name: str | None = None, **kwargs: Any) -> None:
-        global _instances
         if dataloader_context.current_dataloader() is not None:
             raise RuntimeError(
                 "Accumulator created inside an AdaptiveDataLoader loop; create it before the loop "
@@ -137,9 +142,10 @@ class Accumulator(collections.abc.MutableMapping):
         for key, value in initial.items():
             _check_value(key, value)
         if name is None:
-            name = str(_instances)
-        _instances += 1
-        self._state = _AccumulatorState(f"adaptive.accumulator.{name}", initial)
+            name = checkpoint.default_name("accumulator")
+        elif not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self._state = _AccumulatorState(f"adaptive.accumulator.{name}", initial, checkpoint.epoch_scope())
         checkpoint.load_state(self._state)
         self._synchronized: dict | None = None
         self._sync_count: collections.Counter = collections.Counter()

@@ -88,8 +88,8 @@ class Decision:
 class _AutoscaleState(checkpoint.State):
     """The throughput profile and the current choice, checkpointed with the loader."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, scope: int | None) -> None:
+        super().__init__(name, scope=scope)
         self.profile = ThroughputProfile()
         self.perf_params: PerfParams | None = None
         self.local_bsz: int | None = None
@@ -112,9 +112,9 @@ class _AutoscaleState(checkpoint.State):
 class BatchSizeController:
     """Keeps a loader's (local batch size, accumulation steps) at the goodput optimum."""
 
-    def __init__(self, name: str, config: AutoscaleConfig) -> None:
+    def __init__(self, name: str, config: AutoscaleConfig, scope: int | None = None) -> None:
         self.config = config
-        self._state = _AutoscaleState(f"adaptive.autoscale.{name}")
+        self._state = _AutoscaleState(f"adaptive.autoscale.{name}", scope)
         checkpoint.load_state(self._state)
         self._warm: tuple[int, int, int] | None = None
         self._evaluated_at: float | None = None  # when rank 0 last evaluated the model (monotonic)

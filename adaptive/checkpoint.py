@@ -10,11 +10,23 @@ boundary that every replica agreed on (guarantee G3).
 Rules that keep restarts exact:
 
 * every replica creates the same states in the same order;
+* creating and restoring a state is local (guarantee G1b): each replica
+  picks the newest checkpoint that verifies by itself, so objects may be
+  built before ``init_process_group`` and on each rank at different moments.
+  The replicas check that they resumed the same checkpoint at their first
+  agreement (:mod:`adaptive.sync_points`), where they are in lock-step anyway;
 * ``sync()`` is collective: each replica's state is made whole there (for
   example, accumulators add up their replicas' pending updates), and only
   then does rank 0 write;
 * the write is atomic (see :mod:`adaptive.checkpoint_store`), so a crash
   during a save leaves the previous checkpoint as the newest complete one.
+
+States of objects created inside an epoch of ``remaining_epochs_until``
+(accumulators and loaders built in a ``train()`` called every epoch) belong
+to that epoch: their default names count creations within the epoch, their
+checkpoint names carry the epoch, and they leave the checkpoint when the
+epoch ends.  A replay of the epoch creates them in the same order and finds
+them again; another epoch's objects never pick them up.
 
 A job is *resuming* exactly when a complete checkpoint exists; see
 :func:`resumed_checkpoint`.
@@ -22,12 +34,13 @@ A job is *resuming* exactly when a complete checkpoint exists; see
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
 
 from adaptive import collectives, env, metrics
-from adaptive.checkpoint_store import Checkpoint, CheckpointError, CheckpointStore
+from adaptive.checkpoint_store import Checkpoint, CheckpointError, CheckpointStore, _validate_metadata
 
 __all__ = [
     "State",
@@ -46,6 +59,9 @@ _store_root: str | None = None
 _resumed: Checkpoint | None = None
 _resumed_looked_up = False
 _last_save_time: float | None = None
+_save_count = 0
+_epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
+_name_counts: collections.Counter = collections.Counter()  # (kind, epoch scope) -> objects named
 
 
 class State:
@@ -57,15 +73,18 @@ class State:
     :meth:`sync` to gather what replicas hold privately before a save.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, scope: int | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"State name must be a non-empty string, got {name!r}")
+        if scope is not None:  # owned by an epoch: only that epoch's replay may restore it
+            name = f"{name}@epoch{scope}"
         if name in _registry:
             raise ValueError(
                 f"a State named {name!r} already exists; give each checkpointed object a unique name "
                 "(for example name= on AdaptiveDataLoader)"
             )
         self.name = name
+        self.scope = scope
         _registry[name] = self
 
     def state_dict(self) -> Any:
@@ -85,6 +104,41 @@ class State:
             del _registry[self.name]
 
 
+def epoch_scope() -> int | None:
+    """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
+    return _epoch_scope
+
+
+def default_name(kind: str) -> str:
+    """The default name of the next ``kind`` object (an accumulator, a loader).
+
+    Its creation order among the ``kind`` objects created in the same epoch
+    (``"e3.0"``, ``"e3.1"``, ...), or outside epochs (``"0"``, ``"1"``, ...):
+    the same object gets the same name when a restart replays its code.
+    """
+    key = (kind, _epoch_scope)
+    count = _name_counts[key]
+    _name_counts[key] += 1
+    return str(count) if _epoch_scope is None else f"e{_epoch_scope}.{count}"
+
+
+def begin_epoch(epoch: int) -> None:
+    """Objects created from now on belong to ``epoch`` (called by ``remaining_epochs_until``)."""
+    global _epoch_scope
+    _epoch_scope = epoch
+    for key in [key for key in _name_counts if key[1] == epoch]:
+        del _name_counts[key]
+
+
+def end_epoch() -> None:
+    """The epoch is over: its objects leave the checkpoint, and objects are global again."""
+    global _epoch_scope
+    if _epoch_scope is not None:
+        for name in [name for name, state in _registry.items() if state.scope == _epoch_scope]:
+            del _registry[name]
+    _epoch_scope = None
+
+
 def registered_states() -> list[State]:
     """The states that the next checkpoint will contain, in creation order."""
     return list(_registry.values())
@@ -102,33 +156,25 @@ def _checkpoint_store() -> CheckpointStore:
 def resumed_checkpoint() -> Checkpoint | None:
     """The checkpoint this process resumed from, or None for a fresh start.
 
-    Rank 0 chooses the newest checkpoint that verifies and every replica opens
-    the same one, so all replicas restore the same step.
+    Each replica chooses the newest checkpoint that verifies by itself, with
+    no communication (so states can be restored before ``init_process_group``
+    and while other ranks wait in a barrier); the replicas compare their
+    choices at their first agreement.
     """
     global _resumed, _resumed_looked_up
     if _resumed_looked_up:
         return _resumed
     store = _checkpoint_store()
-    chosen: int | None = None
-    error: str | None = None
-    if env.rank() == 0:
-        try:
-            latest = store.latest()
-            chosen = None if latest is None else latest.info.seq
-        except CheckpointError as exc:
-            error = str(exc)
-    chosen, error = collectives.broadcast_object((chosen, error))
-    if error is not None:
-        raise CheckpointError(error)
-    _resumed = None if chosen is None else store.open(chosen)
+    _resumed = store.latest()
     _resumed_looked_up = True
     meta = {} if _resumed is None else dict(_resumed.info.metadata or {})
     metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
-                                  resumed=chosen, epoch=meta.get("epoch"), step=meta.get("step"),
-                                  replicas_before=meta.get("replicas"))
-    if _resumed is not None and env.rank() == 0:
-        meta = _resumed.info.metadata or {}
-        logger.info(
+                                  resumed=None if _resumed is None else _resumed.info.seq,
+                                  epoch=meta.get("epoch"), step=meta.get("step"), loader=meta.get("loader"),
+                                  loader_steps=meta.get("loader_steps"), replicas_before=meta.get("replicas"))
+    if _resumed is not None:
+        logger.log(
+            logging.INFO if env.rank() == 0 else logging.DEBUG,
             "resuming from checkpoint %d in %s (saved at epoch %s, step %s, with %s replicas; now %d replicas)",
             _resumed.info.seq,
             store.root,
@@ -140,6 +186,12 @@ def resumed_checkpoint() -> Checkpoint | None:
     return _resumed
 
 
+def resumed_seq() -> int:
+    """The sequence number of the resumed checkpoint, -1 for a fresh start (replicas compare it)."""
+    checkpoint = resumed_checkpoint()
+    return -1 if checkpoint is None else checkpoint.info.seq
+
+
 def load_state(state: State) -> bool:
     """Restore ``state`` from the resumed checkpoint; True if it was there."""
     checkpoint = resumed_checkpoint()
@@ -149,15 +201,23 @@ def load_state(state: State) -> bool:
     return True
 
 
-def save_all_states(metadata: dict[str, Any] | None = None) -> None:
+def save_all_states(metadata: dict[str, Any] | None = None) -> int:
     """Checkpoint every registered state; collective, call on every replica.
 
     All replicas run each state's ``sync()``, agree that they hold the same
-    set of states, and then rank 0 writes the checkpoint.  If a peer died,
-    a collective fails here and nothing is written, so the last complete
-    checkpoint stays the newest.
+    set of states, and then rank 0 writes the checkpoint and tells the
+    others how it went.  If a peer died, a collective fails here and nothing
+    is written, so the last complete checkpoint stays the newest.
+
+    Returns:
+        The new checkpoint's sequence number, on every replica.
+
+    Raises:
+        TypeError: ``metadata`` is not a JSON-serialisable mapping with str keys.
+        CheckpointError: on every replica when rank 0 could not write it.
     """
-    global _last_save_time
+    global _last_save_time, _save_count
+    _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
     states = registered_states()
     for state in states:
         state.sync()
@@ -168,18 +228,43 @@ def save_all_states(metadata: dict[str, Any] | None = None) -> None:
             "replicas hold different checkpointed objects; every replica must create the same "
             f"AdaptiveDataLoader/Accumulator/AdaptiveDataParallel objects in the same order: {all_names}"
         )
+    outcome: tuple[int | None, str | None] = (None, None)
     if env.rank() == 0:
-        info = dict(metadata or {})
-        info.setdefault("replicas", env.num_replicas())
-        info.setdefault("nodes", env.num_nodes())
-        start = time.monotonic()
-        saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
-        seconds = time.monotonic() - start
-        logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s)", saved.seq, info.get("reason", "requested"),
-                    saved.size / 1e6, seconds)
-        metrics.MetricsWriter().event("checkpoint", seq=saved.seq, bytes=saved.size, seconds=seconds,
-                                      reason=info.get("reason"), step=info.get("step"), epoch=info.get("epoch"))
+        outcome = _write(states, metadata)
+    seq, error = collectives.broadcast_object(outcome)
+    _save_count += 1
     _last_save_time = time.monotonic()
+    if error is not None:
+        raise CheckpointError(error)
+    return seq
+
+
+def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, str | None]:
+    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, why it failed)."""
+    info = dict(metadata or {})
+    info.setdefault("replicas", env.num_replicas())
+    info.setdefault("nodes", env.num_nodes())
+    prefix = "adaptive.dataloader."
+    info.setdefault("loader_steps", {state.name[len(prefix):]: int(state.step) for state in states
+                                     if state.name.startswith(prefix) and hasattr(state, "step")})
+    start = time.monotonic()
+    try:
+        saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
+    except Exception as error:  # reported to every replica, which all raise CheckpointError
+        logger.error("checkpoint not saved: %s", error)
+        return None, f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s)", saved.seq, info.get("reason", "requested"),
+                saved.size / 1e6, seconds)
+    metrics.MetricsWriter().event("checkpoint", seq=saved.seq, bytes=saved.size, seconds=seconds,
+                                  reason=info.get("reason"), step=info.get("step"), epoch=info.get("epoch"),
+                                  loader=info.get("loader"))
+    return saved.seq, None
+
+
+def save_count() -> int:
+    """Checkpoints this process has taken part in (equal on every replica at every agreement)."""
+    return _save_count
 
 
 def seconds_since_last_save(now: float | None = None) -> float | None:
@@ -191,8 +276,11 @@ def seconds_since_last_save(now: float | None = None) -> float | None:
 
 def _reset_for_tests() -> None:
     """Forget registered states and the resumed checkpoint (tests run many jobs in one process)."""
-    global _store, _store_root, _resumed, _resumed_looked_up, _last_save_time
+    global _store, _store_root, _resumed, _resumed_looked_up, _last_save_time, _save_count, _epoch_scope
     _registry.clear()
+    _name_counts.clear()
+    _epoch_scope = None
+    _save_count = 0
     _store = None
     _store_root = None
     _resumed = None

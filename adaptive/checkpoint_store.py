@@ -475,10 +475,13 @@ class CheckpointStore:
 
 # bytes are deliberately absent: torch pickles b"" through a global that
 # weights-only loading refuses. Store binary blobs as uint8 tensors instead.
-_SCALAR_TYPES = (type(None), bool, int, float, complex, str,
+# What ``torch.load(weights_only=True)`` reads back (its allow-list of globals plus the
+# types pickle handles natively), and no more: tensors, plain scalars, and the
+# containers torch's own state dicts use (``MultiStepLR`` keeps a Counter).
+_SCALAR_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray,
                  torch.dtype, torch.device, torch.Size, torch.layout)
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_CONTAINER_TYPES = (list, tuple, set, dict, collections.OrderedDict)
+_CONTAINER_TYPES = (list, tuple, set, dict, collections.OrderedDict, collections.Counter)
 
 
 def _validate_states(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -517,9 +520,9 @@ def _validate_value(value: Any, where: str) -> None:
             raise TypeError(
                 f"{path} is a {kind.__module__}.{kind.__qualname__}, which cannot be loaded "
                 "safely; checkpoint states may contain only tensors, None, bool, int, float, "
-                "complex, str, torch.dtype/device/Size and list/tuple/set/dict of those "
-                "(convert numpy values with torch.from_numpy() or .item(), bytes with "
-                "torch.frombuffer(data, dtype=torch.uint8))"
+                "complex, str, bytes, torch.dtype/device/Size and list/tuple/set/dict/"
+                "OrderedDict/Counter of those "
+                "(convert numpy values with torch.from_numpy() or .item())"
             )
         if id(obj) in seen:
             continue

@@ -139,8 +139,9 @@ def _require_group() -> Any:
         if env.num_replicas() > 1:
             raise RuntimeError(
                 "this job has several replicas (WORLD_SIZE="
-                f"{env.num_replicas()}): call adaptive.init_process_group(backend) before "
-                "creating AdaptiveDataLoader, AdaptiveDataParallel or Accumulator objects"
+                f"{env.num_replicas()}): call adaptive.init_process_group(backend) before training "
+                "(the first loader step, epoch end or synchronized() block agrees with the other replicas; "
+                "loaders and accumulators may be built before it)"
             )
         return None
     return _control_group

@@ -46,6 +46,8 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
+import signal
 import time
 from typing import Any, Iterator
 
@@ -65,8 +67,6 @@ __all__ = ["AdaptiveDataLoader"]
 
 logger = logging.getLogger(__name__)
 
-_instances = 0
-
 #: DataLoader arguments passed through unchanged to the loader that fetches local batches.
 _PASSTHROUGH = (
     "num_workers",
@@ -85,8 +85,8 @@ _PASSTHROUGH = (
 class _AdaptiveDataLoaderState(checkpoint.State):
     """Where a loader is: the loop in progress, its position, samples (tokens) consumed, finished loops."""
 
-    def __init__(self, name: str, batch_size: int) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, batch_size: int, scope: int | None) -> None:
+        super().__init__(name, scope=scope)
         self.epoch: int | None = None  # epoch of the loop in progress (None: outside epochs)
         self.loop = 0  # which loop of this loader in that epoch (1-based; 0: none yet)
         self.index = 0  # global samples consumed (or skipped) by that loop
@@ -119,6 +119,76 @@ class _AdaptiveDataLoaderState(checkpoint.State):
         self.plan = state.get("plan")
 
 
+#: Signals that mean "stop the job": the main process handles them, data workers ignore them.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+class _ShieldedWorkerInit:
+    """``worker_init_fn`` of the DataLoader workers: leave the trainer's process group, then run the user's.
+
+    torchrun stops a worker by signalling its whole process group, which
+    holds the DataLoader's worker processes too.  Killed by that SIGTERM they
+    would make the main process fail ("DataLoader worker ... is killed by
+    signal") before it could checkpoint.  The stop belongs to the trainer, so
+    each data worker moves to a process group of its own: signals meant for
+    the job (and a terminal's Ctrl-C) no longer reach it, while the main
+    process still shuts it down as usual, and its watchdog ends it if the
+    main process dies.  The main process blocks the stop signals while it
+    starts workers (:class:`_signals_blocked`); one sent to the old group in
+    that window is discarded here before they are unblocked.
+    """
+
+    def __init__(self, user_fn: Any) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        os.setpgid(0, 0)
+        while signal.sigpending() & _STOP_SIGNALS:  # sent to the trainer's group before we left it
+            signal.sigwait(_STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class _signals_blocked:
+    """Hold SIGTERM/SIGINT back while DataLoader workers are started (they inherit the mask)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def __enter__(self) -> None:
+        if self.active:
+            self._previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:  # a signal that arrived meanwhile is delivered to our handler now
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous)
+
+
+class _Lookahead:
+    """An iterator that can tell whether another item follows (the last step of a loop)."""
+
+    _EMPTY = object()
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._next: Any = self._EMPTY
+
+    def __iter__(self) -> "_Lookahead":
+        return self
+
+    def __next__(self) -> Any:
+        if self._next is not self._EMPTY:
+            item, self._next = self._next, self._EMPTY
+            return item
+        return next(self._iterator)
+
+    def has_next(self) -> bool:
+        if self._next is self._EMPTY:
+            self._next = next(self._iterator, self._EMPTY)
+        return self._next is not self._EMPTY
+
+
 class _LocalBatches(torch.utils.data.Sampler):
     """This replica's index lists, read from the current plan.
 
@@ -139,7 +209,7 @@ class _Plan:
     """A running plan: the steps for the outer loop and the batches fetched for them."""
 
     key: Any
-    steps: Iterator[PlannedStep]
+    steps: _Lookahead
     batches: Iterator[Any]
 
 
@@ -237,7 +307,10 @@ class AdaptiveDataLoader:
             ``batch_size`` (otherwise it is kept; if fewer samples remain
             than replicas, fewer than ``replicas`` samples are repeated).
             Sample batches only.
-        name: checkpoint name; default the creation order ("0", "1", ...).
+        name: checkpoint name; default the creation order: ``"0"``, ``"1"``,
+            ... for loaders created before the epoch loop, ``"e3.0"``, ...
+            for loaders created inside epoch 3 (those belong to their epoch,
+            see :mod:`adaptive.checkpoint`).
         max_tokens: turn on token-budget batches: the most padded tokens
             (longest sample x samples) one replica's micro-batch may hold.
         lengths: with ``max_tokens``, the token count of every sample: a
@@ -285,7 +358,6 @@ class AdaptiveDataLoader:
         batch_size_schedule: Any = None,
         **kwargs: Any,
     ) -> None:
-        global _instances
         _refuse_unsupported(kwargs)
         length = _dataset_length(dataset)
         if batch_size is not None:
@@ -298,8 +370,9 @@ class AdaptiveDataLoader:
         self.dataset = dataset
         self.sampler = ElasticSampler(length, shuffle=shuffle, seed=seed, drop_last=drop_last)
         if name is None:
-            name = str(_instances)
-        _instances += 1
+            name = checkpoint.default_name("dataloader")
+        elif not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
         self.name = name
         self._lr_scaling = _check_choice("lr_scaling", lr_scaling, LR_SCALING)
         unit = "samples" if max_tokens is None else "tokens"
@@ -319,6 +392,9 @@ class AdaptiveDataLoader:
         self._global_tokens = max_tokens is not None and batch_size is not None and self._schedule is None
         reference = self._default_reference(batch_size)
         self._batches = _LocalBatches()
+        self._workers = int(kwargs.get("num_workers") or 0) > 0
+        if self._workers:
+            kwargs["worker_init_fn"] = _ShieldedWorkerInit(kwargs.get("worker_init_fn"))
         self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches, **kwargs)
         self._loops: collections.Counter = collections.Counter()
         self._controller: BatchSizeController | None = None
@@ -331,7 +407,7 @@ class AdaptiveDataLoader:
         self._timing = _StepTiming()
         self._metrics = metrics.MetricsWriter()
         self._progress_logged = time.monotonic()
-        self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", reference)
+        self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", reference, checkpoint.epoch_scope())
         if checkpoint.load_state(self._state) and self._state.batch_size != reference:
             logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
                         "batch size" if self._schedule is None else "reference batch size",
@@ -429,7 +505,7 @@ class AdaptiveDataLoader:
         config = AutoscaleConfig(self._init_batch_size, max_batch_size, bounds, bool(gradient_accumulation),
                                  adapt_every, hysteresis)
         if self._controller is None:
-            self._controller = BatchSizeController(self.name, config)
+            self._controller = BatchSizeController(self.name, config, self._state.scope)
         else:
             self._controller.config = config
         self._sizer.autoscale = self._controller.current
@@ -547,9 +623,18 @@ class AdaptiveDataLoader:
         """Optimizer steps this loader has taken over the whole job, restarts included."""
         return self._state.step
 
-    def to_tensorboard(self, writer: Any, step: int | None = None) -> None:
-        """Write the latest metrics (batch sizes, noise scale, gain, LR factor, throughput, goodput)."""
-        metrics.to_tensorboard(writer, self._metrics_record(), step if step is not None else self._state.step)
+    def to_tensorboard(self, writer: Any, step: int | None = None, *, tag_prefix: str = "") -> None:
+        """Write the latest metrics (batch sizes, noise scale, gain, LR factor, throughput, goodput).
+
+        Args:
+            writer: a ``torch.utils.tensorboard.SummaryWriter``.
+            step: the TensorBoard step; default :attr:`step` (continues across restarts).
+            tag_prefix: tags are ``<tag_prefix><field>`` (a ``/`` is appended when
+                missing); default ``adaptive/<field>``.  The fields are
+                :data:`adaptive.metrics.SCALARS`.
+        """
+        metrics.to_tensorboard(writer, self._metrics_record(), step if step is not None else self._state.step,
+                               tag_prefix=tag_prefix)
 
     def __len__(self) -> int:
         """Micro-batches in a whole epoch at the current batch size (plans the epoch with a token budget)."""
@@ -563,6 +648,7 @@ class AdaptiveDataLoader:
     def __iter__(self) -> Iterator[Any]:
         with dataloader_context.active_loop(self):
             key = epoch.current_epoch()
+            self._warn_if_out_of_scope(key)
             self._loops[key] += 1
             loop = self._loops[key]
             if self._state.finished.get(key, 0) >= loop:
@@ -584,20 +670,39 @@ class AdaptiveDataLoader:
             self._batching.reset(state)
         self.sampler.set_epoch(0 if key is None else key)
 
+    def _warn_if_out_of_scope(self, key: int | None) -> None:
+        scope = self._state.scope
+        if scope is not None and key != scope and not getattr(self, "_scope_warned", False):
+            self._scope_warned = True
+            logger.warning("loader %s was created inside epoch %d and is iterated in epoch %s: objects created "
+                           "inside an epoch are checkpointed only until that epoch ends, so its position is not "
+                           "saved now; create it before the epoch loop", self.name, scope, key)
+
     def _steps(self, key: int | None) -> Iterator[Any]:
         state = self._state
         plan: _Plan | None = None
         self._timing.reset()
+        sync_points.restart_spacing()  # this loop's steps may be much longer or shorter than the last loop's
         try:
             while True:
-                sync_points.step_boundary(self._checkpoint_metadata)
-                self._after_boundary(first=plan is None)
+                first = plan is None
+                if first:  # a stop that arrived between loops is acted on before the first step
+                    sync_points.settle(self._checkpoint_metadata)
+                else:
+                    sync_points.step_boundary(self._checkpoint_metadata)
+                self._after_boundary(first=first)
                 plan_key = self._controller.current() if self._controller is not None else None
                 if plan is None or plan.key != plan_key:
+                    if plan is not None:  # a new batch size: new step times
+                        sync_points.restart_spacing()
                     plan = self._start_plan(plan_key)
                 step = next(plan.steps, None)
                 if step is None:
                     break
+                if not first and not plan.steps.has_next():
+                    # A stop known now is taken before the loop's last step, so that a replay runs
+                    # that step (and the loop body that binds its variables) again.
+                    sync_points.settle(self._checkpoint_metadata)
                 self._begin_step(step)
                 count = step.num_micro_steps
                 for micro in range(count):
@@ -620,7 +725,9 @@ class AdaptiveDataLoader:
         steps = self._batching.plan(self._state, self._sizer, env.num_replicas(), env.rank())
         outer, inner = itertools.tee(steps)
         self._batches.source = (indices for step in inner for indices in step.indices)
-        return _Plan(key, outer, iter(self._inner))
+        with _signals_blocked(self._workers):  # workers start here (each loop, unless persistent)
+            batches = iter(self._inner)
+        return _Plan(key, _Lookahead(outer), batches)
 
     def _begin_step(self, step: PlannedStep) -> None:
         """Loss weights, LR factor and gradient-statistics configuration of the step about to run."""
@@ -634,9 +741,10 @@ class AdaptiveDataLoader:
         self._step_now = step
         local = step.shape.micro if self._sizer.per_replica else max(1, step.shape.micro // replicas)
         self._last_step = (local, count)
-        if model is not None and torch.is_grad_enabled():  # not for evaluation loops under no_grad
-            model.gns.set_batch_config(init_batch_size=self._init_batch_size, local_bsz=local,
-                                       accum_steps=count, num_replicas=replicas)
+        if torch.is_grad_enabled():  # not for evaluation loops under no_grad
+            for trained in parallel.live_models():  # every model the step trains (DCGAN: netD and netG)
+                trained.gns.set_batch_config(init_batch_size=self._init_batch_size, local_bsz=local,
+                                             accum_steps=count, num_replicas=replicas)
 
     def _end_step(self, step: PlannedStep | None) -> None:
         if step is not None:
@@ -808,5 +916,4 @@ def _refuse_unsupported(kwargs: dict[str, Any]) -> None:
 
 
 def _reset_for_tests() -> None:
-    global _instances
-    _instances = 0
+    """Nothing is kept per process here any more (names are counted by :mod:`adaptive.checkpoint`)."""

@@ -21,6 +21,9 @@ Variables of our own:
     Name of the job.  Default: the training script's file name without
     extension (not torchrun's run id: ``--standalone`` makes a new random one
     on every launch, and "run the same command again" must resume).
+``ADAPTIVE_TENSORBOARD_PATH``
+    Directory for the job's TensorBoard event files (:func:`tensorboard_path`).
+    Default ``<ADAPTIVE_SHARE_PATH>/tensorboard``.
 ``ADAPTIVE_CHECKPOINT_INTERVAL``
     Seconds between periodic checkpoints (fractions allowed, 0 disables).
 ``ADAPTIVE_CHECKPOINT_KEEP``
@@ -47,6 +50,7 @@ __all__ = [
     "job_id",
     "checkpoint_path",
     "share_path",
+    "tensorboard_path",
     "checkpoint_interval",
     "checkpoint_keep",
     "collective_timeout",
@@ -162,6 +166,17 @@ def checkpoint_path() -> str:
 def share_path() -> str:
     """Directory for metrics and hints (``ADAPTIVE_SHARE_PATH`` or the default)."""
     return os.path.abspath(os.environ.get("ADAPTIVE_SHARE_PATH") or os.path.join(_job_dir(), "share"))
+
+
+def tensorboard_path() -> str:
+    """Directory for this job's TensorBoard logs (``ADAPTIVE_TENSORBOARD_PATH``, default ``<share path>/tensorboard``).
+
+    Pass it to ``SummaryWriter`` on rank 0 and run ``tensorboard --logdir``
+    on it.  Like :func:`share_path` it is per job: it replaces AdaptDL's
+    ``os.path.join(os.getenv("ADAPTDL_TENSORBOARD_LOGDIR"), job_id)``.  The
+    folder is not created here (``SummaryWriter`` creates it).
+    """
+    return os.path.abspath(os.environ.get("ADAPTIVE_TENSORBOARD_PATH") or os.path.join(share_path(), "tensorboard"))
 
 
 def checkpoint_interval() -> float:

@@ -10,6 +10,12 @@ loop that was interrupted.  Keep that code idempotent (build the model,
 optimizer and loaders, log); loader loops that already finished in the
 current epoch are skipped, and ``Accumulator.synchronized()`` blocks that
 already ran return their saved results.
+
+At the end of every epoch the replicas agree (blocking, once per epoch) on
+whether to stop or checkpoint, so a stop that arrives in code between loops
+is acted on there at the latest.  When the last epoch is finished the loop
+saves a checkpoint (reason ``"finished"``): relaunching a finished job
+trains nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from adaptive import checkpoint
+from adaptive import checkpoint, env, sync_points
 
 __all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs"]
 
@@ -75,17 +81,34 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     if _looping:
         raise RuntimeError("remaining_epochs_until loops cannot be nested")
     state = _epoch_state()
+    sync_points.install_signal_handlers()
     if state.finished >= epoch:
         logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
     _looping = True
+    saved_at_last_boundary = True  # nothing to save if no epoch runs
     try:
         while state.finished < epoch:
             state.current = state.finished
+            checkpoint.begin_epoch(state.current)
             yield state.current
             state.finished = state.current + 1
             state.current = None
+            checkpoint.end_epoch()
+            saves = checkpoint.save_count()
+            sync_points.settle(lambda: _epoch_metadata(state))
+            saved_at_last_boundary = checkpoint.save_count() > saves
     finally:
         _looping = False
+        checkpoint.end_epoch()
+    if not saved_at_last_boundary:
+        checkpoint.save_all_states(dict(_epoch_metadata(state), reason="finished"))
+        logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
+                   "all %d epochs finished; checkpointed so that a relaunch trains nothing", epoch)
+
+
+def _epoch_metadata(state: _EpochState) -> dict:
+    """The position at an epoch boundary: the last loop's step, and the next epoch to run."""
+    return dict(sync_points.last_position(), epoch=state.finished, epoch_finished=True)
 
 
 def _reset_for_tests() -> None:

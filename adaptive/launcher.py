@@ -17,13 +17,23 @@ The plain torchrun equivalent of ``adaptive-run ARGS`` is::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun \\
         --rdzv-conf last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3 ARGS
+
+When ``adaptive-run`` itself is stopped (SIGTERM, SIGINT), torchrun forwards
+the signal and the workers checkpoint and exit.  Each worker confirms how its
+stop went in a folder the launcher gives it (``ADAPTIVE_STOP_STATUS_DIR``);
+``adaptive-run`` exits with 143 only when every local worker confirmed a
+durable checkpoint, and otherwise says which did not, and why, and exits
+with 1.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 __all__ = ["main", "RDZV_DEFAULTS", "build_args"]
 
@@ -54,17 +64,61 @@ def build_args(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``adaptive-run`` and ``python -m adaptive.launcher``."""
+    from adaptive.sync_points import STOP_STATUS_DIR_VAR
+
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = build_args(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import run
 
+    status_dir = tempfile.mkdtemp(prefix="adaptive-run-")
+    os.environ[STOP_STATUS_DIR_VAR] = status_dir  # the workers inherit the agent's environment
     try:
         run(args)
     except SignalException as stop:
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
-        logger.warning("adaptive-run: stopped by %s; relaunch the same command to resume", stop.sigval.name)
+        problems = stop_problems(status_dir, _local_workers(args))
+        if problems:
+            logger.error("adaptive-run: stopped by %s, but the stop could not write its checkpoint: %s; the job "
+                         "will resume from the last complete checkpoint", stop.sigval.name, "; ".join(problems))
+            raise SystemExit(1) from None
+        logger.warning("adaptive-run: stopped by %s; every worker checkpointed; relaunch the same command "
+                       "to resume", stop.sigval.name)
         raise SystemExit(128 + int(stop.sigval)) from None
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _local_workers(args) -> int | None:
+    """How many workers this agent runs, when a number was given (not "auto"/"gpu")."""
+    try:
+        return int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        return None
+
+
+def stop_problems(status_dir: str, workers: int | None) -> list[str]:
+    """What went wrong with the local workers' stop, from what they confirmed (empty: all checkpointed)."""
+    found: dict[int, dict] = {}
+    problems = []
+    for entry in sorted(os.listdir(status_dir)):
+        if not (entry.startswith("local-rank-") and entry.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(status_dir, entry), encoding="utf-8") as file:
+                record = json.load(file)
+            found[int(entry[len("local-rank-"):-len(".json")])] = record
+        except (OSError, ValueError) as error:
+            problems.append(f"{entry} is unreadable ({error})")
+    for local_rank, record in sorted(found.items()):
+        if not record.get("ok"):
+            problems.append(f"worker {local_rank} (rank {record.get('rank')}): {record.get('reason')}")
+    expected = range(workers) if workers is not None else sorted(found) or [0]
+    missing = [rank for rank in expected if rank not in found]
+    if missing:
+        problems.append(f"worker(s) {', '.join(map(str, missing))} did not confirm a checkpoint (killed before "
+                        "they reached a step boundary, or crashed)")
+    return problems
 
 
 if __name__ == "__main__":

@@ -28,13 +28,17 @@ from typing import Any
 
 from adaptive import env
 
-__all__ = ["MetricsWriter", "metrics_path", "metrics_interval", "read_metrics", "to_tensorboard", "SCALARS"]
+__all__ = ["MetricsWriter", "metrics_path", "metrics_interval", "read_metrics", "to_tensorboard",
+           "tensorboard_prefix", "DEFAULT_TAG_PREFIX", "SCALARS"]
 
 logger = logging.getLogger(__name__)
 
 #: Step-record fields that are numbers worth plotting.
 SCALARS = ("batch_size", "local_bsz", "accum_steps", "replicas", "noise_scale", "gain", "lr_factor",
            "progress", "samples_per_sec", "goodput", "tokens_per_sec", "step_lr_factor", "padding_efficiency")
+
+#: The TensorBoard tag group when no ``tag_prefix`` is given.
+DEFAULT_TAG_PREFIX = "adaptive/"
 
 
 def metrics_path() -> str:
@@ -108,10 +112,37 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     return steps, events
 
 
-def to_tensorboard(writer: Any, record: dict[str, Any], step: int | None = None) -> None:
-    """Write a step record's scalars to a TensorBoard ``SummaryWriter`` under ``adaptive/``."""
+def tensorboard_prefix(tag_prefix: str = "") -> str:
+    """The start of every TensorBoard tag written with ``tag_prefix``.
+
+    ``""`` (the default) gives ``"adaptive/"``; any other prefix replaces it,
+    with a ``/`` appended when missing (as AdaptDL did), so
+    ``tag_prefix="AdaptDL/Data/"`` or ``"AdaptDL/Data"`` writes
+    ``AdaptDL/Data/batch_size``.
+
+    Raises:
+        TypeError: ``tag_prefix`` is not a str.
+    """
+    if not isinstance(tag_prefix, str):
+        raise TypeError(f"tag_prefix must be a str, got {type(tag_prefix).__name__}")
+    if not tag_prefix:
+        return DEFAULT_TAG_PREFIX
+    return tag_prefix if tag_prefix.endswith("/") else tag_prefix + "/"
+
+
+def to_tensorboard(writer: Any, record: dict[str, Any], step: int | None = None, *, tag_prefix: str = "") -> None:
+    """Write a step record's scalars (the fields in :data:`SCALARS`) to a TensorBoard ``SummaryWriter``.
+
+    Args:
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with ``add_scalar``).
+        record: a step record (as in the metrics file).
+        step: the TensorBoard step; default the record's ``step``.
+        tag_prefix: tags are ``<tag_prefix><field>``; default ``adaptive/<field>``
+            (see :func:`tensorboard_prefix`).
+    """
+    prefix = tensorboard_prefix(tag_prefix)
     step = record.get("step") if step is None else step
     for key in SCALARS:
         value = record.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            writer.add_scalar(f"adaptive/{key}", value, step)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            writer.add_scalar(f"{prefix}{key}", value, step)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from adaptive import checkpoint, collectives, dataloader_context, env
+from adaptive import checkpoint, collectives, dataloader_context, env, sync_points
 from adaptive.gns import GradientNoiseScale
 from adaptive.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.step_lr import StepLRFactor
@@ -80,6 +81,28 @@ def _check_optimizer(optimizer: Any, module: torch.nn.Module) -> None:
                                  "from model.parameters() before wrapping")
 
 
+def _check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    if lr_scheduler is None:
+        return
+    methods = ("step", "state_dict", "load_state_dict")
+    if not all(callable(getattr(lr_scheduler, method, None)) for method in methods):
+        raise TypeError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler (or an object with step(), "
+                        f"state_dict() and load_state_dict()), got {type(lr_scheduler).__name__} {lr_scheduler!r}")
+    stepped = getattr(lr_scheduler, "optimizer", optimizer)
+    if stepped is not optimizer:
+        raise ValueError("lr_scheduler steps another optimizer than the one given; build it from the same optimizer")
+
+
+def _check_scaler(scaler: Any) -> None:
+    if scaler is None:
+        return
+    methods = ("scale", "step", "update", "state_dict", "load_state_dict")
+    if not all(callable(getattr(scaler, method, None)) for method in methods):
+        hint = (" (the fourth positional argument is scaler; pass the checkpoint name as name=...)"
+                if isinstance(scaler, str) else "")
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__} {scaler!r}{hint}")
+
+
 class AdaptiveDataParallel(DistributedDataParallel):
     """``DistributedDataParallel`` plus checkpointing of the whole training state.
 
@@ -110,7 +133,13 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, scaler: Any = None, *, scaling_rule: Any = None,
                  name: str = "model", gns_interval: int = 4, **kwargs: Any) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_optimizer(optimizer, module)
+        _check_lr_scheduler(lr_scheduler, optimizer)
+        _check_scaler(scaler)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
         if isinstance(gns_interval, bool) or not isinstance(gns_interval, int) or gns_interval < 1:
             raise ValueError(f"gns_interval must be an int >= 1 (optimizer steps), got {gns_interval!r}")
         if not collectives.is_initialized():
@@ -134,6 +163,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
                                                  lr_scheduler, scaler, self.gns, self.scaling_rule)
         global _current_model
         _current_model = self
+        _live_models.add(self)
+        sync_points.install_signal_handlers()
         if checkpoint.load_state(self._state) and env.rank() == 0:
             logger.info("restored model, optimizer%s%s from the checkpoint",
                         ", LR scheduler" if lr_scheduler is not None else "",
@@ -145,15 +176,27 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.require_backward_grad_sync = self._replicas > 1 and not _is_accumulation_step()
         return super().forward(*inputs, **kwargs)
 
-    def to_tensorboard(self, writer: Any, step: int) -> None:
-        """Write the gradient statistics and LR scaling as TensorBoard scalars under ``adaptive/``."""
+    def to_tensorboard(self, writer: Any, step: int, *, tag_prefix: str = "") -> None:
+        """Write the gradient statistics and LR scaling as TensorBoard scalars.
+
+        Tags are ``<tag_prefix>noise_scale``, ``grad_sqr``, ``grad_var`` (once
+        the noise is measured), ``gain``, ``lr_factor`` and ``progress``; the
+        default prefix is ``adaptive/`` and a ``/`` is appended to a prefix
+        that lacks one (see :func:`adaptive.metrics.tensorboard_prefix`).
+        """
+        import math
+
+        from adaptive.metrics import tensorboard_prefix
+
+        prefix = tensorboard_prefix(tag_prefix)
+        values = {"gain": self.scaling_rule.last_gain, "lr_factor": self.scaling_rule.last_factor,
+                  "progress": self.scaling_rule.progress}
         if self.gns.to_grad_params() is not None:
-            writer.add_scalar("adaptive/noise_scale", self.gns.noise_scale(), step)
-            writer.add_scalar("adaptive/grad_sqr", self.gns.sqr_avg(), step)
-            writer.add_scalar("adaptive/grad_var", self.gns.var_avg(), step)
-        writer.add_scalar("adaptive/gain", self.scaling_rule.last_gain, step)
-        writer.add_scalar("adaptive/lr_factor", self.scaling_rule.last_factor, step)
-        writer.add_scalar("adaptive/progress", self.scaling_rule.progress, step)
+            values = {"noise_scale": self.gns.noise_scale(), "grad_sqr": self.gns.sqr_avg(),
+                      "grad_var": self.gns.var_avg(), **values}
+        for key, value in values.items():
+            if math.isfinite(value):
+                writer.add_scalar(f"{prefix}{key}", value, step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, except in the middle of an accumulation."""
@@ -172,11 +215,17 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
 
 _current_model: AdaptiveDataParallel | None = None
+_live_models: "weakref.WeakSet[AdaptiveDataParallel]" = weakref.WeakSet()
 
 
 def current_model() -> AdaptiveDataParallel | None:
     """The most recently created AdaptiveDataParallel (the loader reads its statistics)."""
     return _current_model
+
+
+def live_models() -> list[AdaptiveDataParallel]:
+    """Every AdaptiveDataParallel still in use (a loader's step configures all of them)."""
+    return list(_live_models)
 
 
 def _loader_lr_factor() -> float:

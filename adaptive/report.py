@@ -8,13 +8,17 @@ module reads that file and
   event, begins a new one (a restart, whether graceful or after a crash);
 * summarises the run (:func:`summarize`): restarts, wall time lost between
   the last record of one process and the first of the next, replica-count
-  changes, initial and final batch size, and the mean goodput relative to
-  the goodput measured at the initial batch size;
+  changes (at the step the new process continued from), *progress lost*
+  (a process that started from scratch although earlier ones had trained,
+  or that resumed a checkpoint older than the step already reached:
+  :func:`progress_losses`), initial and final batch size, and the mean
+  goodput relative to the goodput measured at the initial batch size;
 * draws one PNG (:func:`render_png`, needs the optional ``matplotlib``):
   global and local batch size, accumulation steps and replicas, noise scale,
   gain and LR factor, samples/s and goodput, against the optimizer step (left
   column) and the wall time (right column), with restarts and replica-count
-  changes marked by vertical lines.
+  changes marked by vertical lines, and the steps trained again after a
+  loss of progress shaded.
 
 Only plain records are read; nothing in the file is executed.  The command
 line is ``adaptive report RUN_DIR`` (:mod:`adaptive.cli`).
@@ -33,6 +37,7 @@ from adaptive import metrics
 __all__ = [
     "MissingDependencyError",
     "ProcessSpan",
+    "ProgressLoss",
     "ReplicaChange",
     "Run",
     "RunSummary",
@@ -40,8 +45,10 @@ __all__ = [
     "find_metrics_file",
     "format_summary",
     "load_run",
+    "progress_losses",
     "render_png",
     "replica_changes",
+    "resumed_step",
     "summarize",
 ]
 
@@ -85,6 +92,72 @@ class ProcessSpan:
     def last_step(self) -> int | None:
         """Optimizer step of its last step record (None without step records)."""
         return self.steps[-1].get("step") if self.steps else None
+
+    @property
+    def start_event(self) -> dict | None:
+        """Its ``start`` event (what it resumed), None when it wrote none."""
+        return next((event for event in self.events if event.get("event") == "start"), None)
+
+
+@dataclass(frozen=True)
+class ProgressLoss:
+    """A process continued from behind the point earlier processes had trained to.
+
+    Either it started from scratch (it resumed no checkpoint although earlier
+    processes had trained: a missing, unreadable or never written
+    checkpoint), or it resumed a checkpoint older than the step already
+    reached (a crash rolls back to the last complete checkpoint).
+
+    Attributes:
+        process: index of the process in :attr:`Run.processes` (0 is the first).
+        pid: its process id.
+        time: unix time of its first record.
+        from_scratch: True when its ``start`` event says it resumed no checkpoint.
+        checkpoint: sequence number of the checkpoint it resumed (None from scratch or unknown).
+        reached_step: the highest optimizer step earlier processes had reached.
+        reached_epoch: the highest epoch earlier processes had been in (None if unknown).
+        resumed_step: the step it continued from (0 from scratch; its first step
+            record's when its start event does not say).
+        resumed_epoch: the epoch it continued from (0 from scratch; None if unknown).
+    """
+
+    process: int
+    pid: int | None
+    time: float
+    from_scratch: bool
+    checkpoint: int | None
+    reached_step: int
+    reached_epoch: int | None
+    resumed_step: int
+    resumed_epoch: int | None
+
+    @property
+    def steps_lost(self) -> int:
+        """Optimizer steps trained again (or to train again)."""
+        return self.reached_step - self.resumed_step
+
+    @property
+    def epochs_lost(self) -> int | None:
+        """Epochs gone back (the epoch in progress counts), None when an epoch is unknown."""
+        if self.reached_epoch is None or self.resumed_epoch is None:
+            return None
+        return max(0, self.reached_epoch - self.resumed_epoch)
+
+    def describe(self) -> str:
+        """One sentence for ``adaptive report``."""
+        where = f"step {self.reached_step}" + ("" if self.reached_epoch is None else f" (epoch {self.reached_epoch})")
+        epochs = self.epochs_lost
+        lost = f"{self.steps_lost} steps" + (f" and {epochs} epochs" if epochs else "")
+        if self.from_scratch:
+            return (f"PROGRESS LOST: process {self.process + 1} (pid {self.pid}) started from scratch although "
+                    f"earlier processes had trained to {where}: {lost} lost. It resumed no checkpoint: read its "
+                    "log for checkpoint errors, and check that every launch uses the same persistent "
+                    "ADAPTIVE_CHECKPOINT_PATH")
+        resumed = "a checkpoint" if self.checkpoint is None else f"checkpoint {self.checkpoint}"
+        at = f"step {self.resumed_step}" + ("" if self.resumed_epoch is None else f" (epoch {self.resumed_epoch})")
+        return (f"progress lost: process {self.process + 1} (pid {self.pid}) resumed {resumed} at {at} although "
+                f"{where} had been reached: {lost} trained again (after a crash training rolls back to the last "
+                "complete checkpoint; ADAPTIVE_CHECKPOINT_INTERVAL bounds how far)")
 
 
 @dataclass(frozen=True)
@@ -148,11 +221,26 @@ class RunSummary:
     loader: str | None = None
     unit: str = "samples"
     notes: tuple[str, ...] = field(default=())
+    progress_losses: tuple[ProgressLoss, ...] = field(default=())
+
+    @property
+    def restarts_from_scratch(self) -> int:
+        """Processes that started from scratch although earlier ones had trained."""
+        return sum(1 for loss in self.progress_losses if loss.from_scratch)
+
+    @property
+    def steps_lost(self) -> int:
+        """Optimizer steps trained again over the whole run (see :class:`ProgressLoss`)."""
+        return sum(loss.steps_lost for loss in self.progress_losses)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for ``adaptive report --json``)."""
         out = {key: getattr(self, key) for key in self.__dataclass_fields__}
         out["replica_changes"] = [vars(change) for change in self.replica_changes]
+        out["progress_losses"] = [dict(vars(loss), steps_lost=loss.steps_lost, epochs_lost=loss.epochs_lost)
+                                  for loss in self.progress_losses]
+        out["restarts_from_scratch"] = self.restarts_from_scratch
+        out["steps_lost"] = self.steps_lost
         out["notes"] = list(self.notes)
         return out
 
@@ -237,12 +325,15 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def replica_changes(records: Sequence[dict]) -> list[ReplicaChange]:
+def replica_changes(records: Sequence[dict], loader: str | None = None) -> list[ReplicaChange]:
     """Records (in time order) whose ``replicas`` differs from the previous record that has one.
 
     Step records always carry ``replicas``; events may (a ``start`` event
     does), which catches a change in a process that ended before its first
-    step record.
+    step record.  A change seen at a ``start`` event is at the step that
+    process continued from: the resumed checkpoint's step of ``loader`` (see
+    :func:`resumed_step`), 0 after a start from scratch, None when the event
+    does not say (:func:`summarize` then takes the next step record's).
     """
     changes, previous = [], None
     for record in records:
@@ -250,10 +341,101 @@ def replica_changes(records: Sequence[dict]) -> list[ReplicaChange]:
         if replicas is None:
             continue
         if previous is not None and replicas != previous:
-            changes.append(ReplicaChange(time=_time(record), step=record.get("step"),
-                                         before=int(previous), after=int(replicas)))
+            step = resumed_step(record, loader) if record.get("event") == "start" else _int(record.get("step"))
+            changes.append(ReplicaChange(time=_time(record), step=step, before=int(previous), after=int(replicas)))
         previous = replicas
     return changes
+
+
+def _int(value: Any) -> int | None:
+    number = _number(value)
+    return None if number is None else int(number)
+
+
+def _started_from_scratch(start: dict) -> bool:
+    """A ``start`` event that says its process resumed no checkpoint (``"resumed": null``)."""
+    return "resumed" in start and start["resumed"] is None
+
+
+def resumed_step(start: dict, loader: str | None = None) -> int | None:
+    """The optimizer step of ``loader`` a process continued from, read from its ``start`` event.
+
+    0 when it resumed no checkpoint.  Otherwise the step the checkpoint was
+    saved at: from the event's ``loader_steps`` (every loader's step) when
+    present, else its ``step`` when the event's ``loader`` (the loader whose
+    step that is) is ``loader``.  An event that names no loader is only
+    trusted when ``loader`` is None (records that name no loader either):
+    the checkpoint may have been taken in another loader's loop, such as a
+    validation loop.  None when unknown.
+    """
+    if _started_from_scratch(start):
+        return 0
+    steps = start.get("loader_steps")
+    if isinstance(steps, dict) and steps:
+        if loader is not None:
+            return _int(steps.get(loader))
+        named = start.get("loader")
+        if named is not None:
+            return _int(steps.get(named))
+        return _int(next(iter(steps.values()))) if len(steps) == 1 else None
+    named = start.get("loader")
+    if loader is not None and (named is None or str(named) != loader):
+        return None
+    return _int(start.get("step"))
+
+
+def _shown_loader(run: Run) -> str | None:
+    """Name of the loader whose step records are shown (None when the records name none)."""
+    if run.loader is not None:
+        return run.loader
+    names = {str(record["loader"]) for record in run.steps if record.get("loader") is not None}
+    return names.pop() if len(names) == 1 else None
+
+
+def progress_losses(run: Run) -> list[ProgressLoss]:
+    """Processes that continued from behind where earlier processes had trained.
+
+    A process started from scratch when its ``start`` event has
+    ``"resumed": null`` although earlier processes reached a step above 0;
+    it rolled back when it resumed a checkpoint older than the highest step
+    already reached (read from the step records, which come every
+    ``ADAPTIVE_METRICS_INTERVAL`` steps, so a roll-back of fewer steps may go
+    unseen).  Without a ``start`` event its first step record is the
+    point it continued from.  After a loss, later processes are compared
+    with what was trained since, so each lost step is counted once.
+    """
+    loader = _shown_loader(run)
+    losses: list[ProgressLoss] = []
+    reached_step: int | None = None
+    reached_epoch: int | None = None
+
+    def reach(step: int | None, epoch: int | None) -> None:
+        nonlocal reached_step, reached_epoch
+        if step is not None:
+            reached_step = step if reached_step is None else max(reached_step, step)
+        if epoch is not None:
+            reached_epoch = epoch if reached_epoch is None else max(reached_epoch, epoch)
+
+    for index, process in enumerate(run.processes):
+        start = process.start_event
+        scratch = start is not None and _started_from_scratch(start)
+        step = resumed_step(start, loader) if start is not None else None
+        epoch = 0 if scratch else (_int(start.get("epoch")) if start is not None else None)
+        if step is None and process.first_step is not None:  # the start event does not say: the first record
+            step = _int(process.first_step)
+            epoch = _int(process.steps[0].get("epoch")) if epoch is None else epoch
+        if step is not None:
+            if index and reached_step is not None and 0 < reached_step and step < reached_step:
+                losses.append(ProgressLoss(
+                    process=index, pid=process.pid, time=process.start_time, from_scratch=scratch,
+                    checkpoint=None if start is None or scratch else _int(start.get("resumed")),
+                    reached_step=reached_step, reached_epoch=reached_epoch, resumed_step=step,
+                    resumed_epoch=epoch))
+            # training goes on from here: what lay beyond is lost (and counted) once
+            reached_step, reached_epoch = step, epoch
+        for record in process.steps:
+            reach(_int(record.get("step")), _int(record.get("epoch")))
+    return losses
 
 
 def _batch_size_of(record: dict) -> int | None:
@@ -290,6 +472,9 @@ def summarize(run: Run) -> RunSummary:
       checkpoint are not counted.
     * ``goodput_gain``: mean goodput over all step records divided by the
       mean goodput of the first few records at the initial batch size.
+    * ``replica_changes``: at the step the new process continued from (see
+      :func:`replica_changes`), else the first step record after the change.
+    * ``progress_losses``: see :func:`progress_losses`.
     """
     steps, events = run.steps, run.events
     notes: list[str] = []
@@ -305,18 +490,28 @@ def summarize(run: Run) -> RunSummary:
     gain = mean_goodput / baseline if mean_goodput is not None and baseline else None
     if not goodputs and steps:
         notes.append("no goodput in the records (it needs AdaptiveDataParallel and a gradient noise-scale estimate)")
+    changes = [change if change.step is not None else
+               ReplicaChange(time=change.time, step=_first_step_after(steps, change.time), before=change.before,
+                             after=change.after)
+               for change in replica_changes(timeline, _shown_loader(run))]
     return RunSummary(
         path=run.path, step_records=len(steps), processes=len(spans), restarts=max(0, len(spans) - 1),
         time_lost=lost, wall_time=(spans[-1].end_time - spans[0].start_time) if spans else 0.0,
         first_step=steps[0].get("step") if steps else None, final_step=steps[-1].get("step") if steps else None,
-        replica_changes=tuple(replica_changes(timeline)),
+        replica_changes=tuple(changes),
         initial_replicas=replicas[0] if replicas else None, final_replicas=replicas[-1] if replicas else None,
         initial_batch_size=batch_sizes[0] if batch_sizes else None,
         final_batch_size=batch_sizes[-1] if batch_sizes else None,
         batch_size_decisions=sum(1 for e in events if e.get("event") == "batch_size"),
         checkpoints=sum(1 for e in events if e.get("event") == "checkpoint"),
         baseline_goodput=baseline, mean_goodput=mean_goodput, goodput_gain=gain, loader=run.loader,
-        unit=next((r["unit"] for r in steps if r.get("unit")), "samples"), notes=tuple(notes))
+        unit=next((r["unit"] for r in steps if r.get("unit")), "samples"), notes=tuple(notes),
+        progress_losses=tuple(progress_losses(run)))
+
+
+def _first_step_after(steps: Sequence[dict], when: float) -> int | None:
+    """The step of the first step record at or after ``when`` (None if none)."""
+    return next((_int(r.get("step")) for r in steps if _time(r) >= when and _int(r.get("step")) is not None), None)
 
 
 def _duration(seconds: float) -> str:
@@ -333,8 +528,15 @@ def format_summary(summary: RunSummary) -> str:
              f"{summary.first_step}..{summary.final_step}, {_duration(summary.wall_time)} wall time)"]
     if summary.loader is not None:
         lines.append(f"loader: {summary.loader} (records of other loaders are left out)")
-    lines.append(f"restarts: {summary.restarts} (time lost between processes: {_duration(summary.time_lost)})")
-    changes = ", ".join(f"{c.before}->{c.after} at step {c.step}" for c in summary.replica_changes) or "none"
+    scratch = summary.restarts_from_scratch
+    lines.append(f"restarts: {summary.restarts} (time lost between processes: {_duration(summary.time_lost)})"
+                 + (f"; {scratch} started from scratch" if scratch else ""))
+    for loss in summary.progress_losses:
+        lines.append(loss.describe())
+    scratch_times = {loss.time for loss in summary.progress_losses if loss.from_scratch}
+    changes = ", ".join(f"{c.before}->{c.after} at " + ("an unknown step" if c.step is None else f"step {c.step}")
+                        + (" (started from scratch)" if c.time in scratch_times else "")
+                        for c in summary.replica_changes) or "none"
     lines.append(f"replicas: {summary.initial_replicas} at start, {summary.final_replicas} at the end; "
                  f"changes: {changes}")
     unit = "" if summary.unit == "samples" else f" {summary.unit}"
@@ -369,6 +571,7 @@ _PANELS = (
 
 _RESTART_COLOR = "tab:red"
 _REPLICA_COLOR = "tab:green"
+_LOSS_COLOR = "tab:orange"
 
 
 def _load_matplotlib() -> Any:
@@ -436,6 +639,9 @@ def _mark_step_axis(ax: Any, run: Run, summary: RunSummary, label: bool) -> None
         if change.step is not None:
             ax.axvline(change.step, color=_REPLICA_COLOR, linestyle=":", linewidth=1.5,
                        label="replicas changed" if label and number == 0 else None)
+    for number, loss in enumerate(summary.progress_losses):
+        ax.axvspan(loss.resumed_step, loss.reached_step, color=_LOSS_COLOR, alpha=0.12, hatch="//", linewidth=0,
+                   label="trained again (progress lost)" if label and number == 0 else None)
 
 
 def _mark_time_axis(ax: Any, run: Run, summary: RunSummary, origin: float, unit: float) -> None:
@@ -446,6 +652,8 @@ def _mark_time_axis(ax: Any, run: Run, summary: RunSummary, origin: float, unit:
         ax.axvline((later.start_time - origin) / unit, color=_RESTART_COLOR, linestyle="--", linewidth=1)
     for change in summary.replica_changes:
         ax.axvline((change.time - origin) / unit, color=_REPLICA_COLOR, linestyle=":", linewidth=1.5)
+    for loss in summary.progress_losses:
+        ax.axvline((loss.time - origin) / unit, color=_LOSS_COLOR, linestyle="-", linewidth=2.5)
 
 
 def _annotate_replicas(ax: Any, summary: RunSummary) -> None:
@@ -454,6 +662,22 @@ def _annotate_replicas(ax: Any, summary: RunSummary) -> None:
             ax.annotate(f"{change.before}->{change.after} replicas", xy=(change.step, 1.0),
                         xycoords=("data", "axes fraction"), xytext=(3, -12), textcoords="offset points",
                         fontsize=8, color=_REPLICA_COLOR)
+
+
+def _loss_label(loss: ProgressLoss) -> str:
+    what = "started from scratch" if loss.from_scratch else "rolled back"
+    return f"process {loss.process + 1} {what}: {loss.steps_lost} steps lost"
+
+
+def _annotate_losses(ax: Any, summary: RunSummary, origin: float | None = None, unit: float = 1.0) -> None:
+    """Label each loss of progress: at its steps on the step axis, at its time on the time axis."""
+    for number, loss in enumerate(summary.progress_losses):
+        on_time_axis = origin is not None
+        x = (loss.time - origin) / unit if on_time_axis else loss.resumed_step
+        # on the time axis the label sits left of the new process's start, over the gap before it
+        ax.annotate(_loss_label(loss), xy=(x, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(-3 if on_time_axis else 3, -24 - 12 * number), textcoords="offset points",
+                    ha="right" if on_time_axis else "left", fontsize=8, color=_LOSS_COLOR, fontweight="bold")
 
 
 def _run_name(path: str) -> str:
@@ -466,8 +690,13 @@ def _run_name(path: str) -> str:
 
 def _title(run: Run, summary: RunSummary) -> str:
     gain = "n/a" if summary.goodput_gain is None else f"x{summary.goodput_gain:.2f}"
-    return (f"{_run_name(run.path)}: {summary.restarts} restart(s), {_duration(summary.time_lost)} lost, "
-            f"final batch size {summary.final_batch_size}, goodput gain {gain}")
+    title = (f"{_run_name(run.path)}: {summary.restarts} restart(s), {_duration(summary.time_lost)} lost, "
+             f"final batch size {summary.final_batch_size}, goodput gain {gain}")
+    if summary.progress_losses:
+        scratch = summary.restarts_from_scratch
+        title += (f"\nPROGRESS LOST: {summary.steps_lost} steps trained again"
+                  + (f" ({scratch} restart(s) from scratch)" if scratch else ""))
+    return title
 
 
 def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi: int = 100) -> str:
@@ -504,11 +733,13 @@ def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi:
         _legend(left)
         if row == 0:
             _annotate_replicas(left, summary)
+            _annotate_losses(left, summary)
+            _annotate_losses(right, summary, origin, unit)
             left.set_title("against optimizer step")
             right.set_title("against wall time (red band: time between processes)")
     axes[-1][0].set_xlabel("optimizer step")
     axes[-1][1].set_xlabel(f"wall time since the first record ({unit_name})")
-    figure.suptitle(_title(run, summary))
+    figure.suptitle(_title(run, summary), color=_LOSS_COLOR if summary.progress_losses else None)
     directory = os.path.dirname(os.path.abspath(output))
     os.makedirs(directory, exist_ok=True)
     figure.savefig(output, format="png")

@@ -184,6 +184,7 @@ def test_replay_skips_finished_loops_and_reuses_synchronized_results(job):
         with pytest.raises(SystemExit):
             for _ in adaptive.AdaptiveDataLoader(Indices(3), batch_size=1):
                 pass
+        break  # the process exits with the stop
     restart_process_state()
     loader = adaptive.AdaptiveDataLoader(Indices(12), batch_size=4)
     acc = adaptive.Accumulator()
@@ -258,7 +259,7 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
     reduced: list[list[float]] = []
 
     def fake_allreduce(values):
-        agreed = [max(values[0], 0.0), max(values[1], 0.0), max(values[2], -float(peer["spacing"]))]
+        agreed = [max(values[0], 0.0), max(values[1], 0.0), max(values[2], -float(peer["spacing"])), *values[3:]]
         reduced.append(agreed)
         return collectives._Ready(torch.tensor(agreed, dtype=torch.float64))
 

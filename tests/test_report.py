@@ -242,6 +242,7 @@ def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
     assert summary.step_records == len(steps)
     before, after = run.processes
     assert before.last_step < after.first_step, "a graceful stop loses no steps and repeats none"
+    assert summary.progress_losses == (), "a graceful stop loses no progress"
     assert after.start_time - before.end_time >= pause
     assert summary.time_lost == pytest.approx(after.start_time - before.end_time)
     assert summary.initial_batch_size == 16
@@ -249,3 +250,199 @@ def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
     assert summary.final_batch_size == last_size
     assert summary.batch_size_decisions == sum(1 for r in lines if r.get("event") == "batch_size")
     assert summary.goodput_gain is not None and summary.goodput_gain > 0
+
+
+# ---------------------------------------------------------------------- progress lost, replica-change steps
+
+
+def start(time_, pid, replicas, resumed=None, **fields):
+    """A ``start`` event as adaptive.checkpoint.resumed_checkpoint() writes it (resumed=None: from scratch)."""
+    record = {"time": time_, "pid": pid, "event": "start", "replicas": replicas, "nodes": 1, "resumed": resumed,
+              "epoch": None, "step": None, "replicas_before": None}
+    record.update(fields)
+    return record
+
+
+def trained(pid, t0, steps, epochs_of, replicas, loader="0"):
+    """Step records of one process: one per step in ``steps``, a second apart from t0."""
+    return [step(t0 + k, pid, s, epoch=epochs_of(s), replicas=replicas, loader=loader) for k, s in enumerate(steps)]
+
+
+def test_a_silent_restart_from_scratch_is_reported_as_progress_lost(tmp_path, capsys):
+    """Issue 12 item 10: 2 replicas trained to step 630 (epoch 3), then a relaunch on 1 replica resumed nothing."""
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    second = [start(300.0, 22, 1)] + trained(22, 301.0, range(10, 60, 10), lambda s: 0, replicas=1)
+    write_metrics(tmp_path, first + second)
+    summary = report.summarize(report.load_run(str(tmp_path)))
+
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 1, 0)]
+    (loss,) = summary.progress_losses
+    assert loss.from_scratch and loss.checkpoint is None
+    assert (loss.process, loss.pid, loss.time) == (1, 22, 300.0)
+    assert (loss.reached_step, loss.reached_epoch, loss.resumed_step, loss.resumed_epoch) == (630, 3, 0, 0)
+    assert (loss.steps_lost, loss.epochs_lost) == (630, 3)
+    assert summary.restarts_from_scratch == 1 and summary.steps_lost == 630
+
+    text = report.format_summary(summary)
+    assert "step None" not in text
+    assert "changes: 2->1 at step 0 (started from scratch)" in text
+    assert "restarts: 1 (time lost between processes:" in text and "; 1 started from scratch" in text
+    assert ("PROGRESS LOST: process 2 (pid 22) started from scratch although earlier processes had trained to "
+            "step 630 (epoch 3): 630 steps and 3 epochs lost") in text
+    assert "ADAPTIVE_CHECKPOINT_PATH" in text
+
+    assert cli.main(["report", str(tmp_path), "--json", "--no-png"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["restarts_from_scratch"] == 1 and printed["steps_lost"] == 630
+    assert printed["progress_losses"] == [{"process": 1, "pid": 22, "time": 300.0, "from_scratch": True,
+                                           "checkpoint": None, "reached_step": 630, "reached_epoch": 3,
+                                           "resumed_step": 0, "resumed_epoch": 0, "steps_lost": 630,
+                                           "epochs_lost": 3}]
+    assert printed["replica_changes"][0]["step"] == 0
+
+
+def test_a_graceful_resume_loses_nothing_and_the_change_is_at_the_checkpoint_step(tmp_path):
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    second = [start(300.0, 22, 3, resumed=4, epoch=3, step=634, replicas_before=2, loader="0")] + \
+        trained(22, 301.0, range(640, 700, 10), lambda s: 3, replicas=3)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 3, 634)]
+    assert summary.progress_losses == () and summary.steps_lost == 0
+    text = report.format_summary(summary)
+    assert text.splitlines()[2].endswith("changes: 2->3 at step 634")
+    assert "PROGRESS LOST" not in text and "progress lost" not in text and "from scratch" not in text
+
+
+def test_a_crash_that_rolls_back_to_an_older_checkpoint_reports_the_steps_trained_again(tmp_path):
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    second = [start(300.0, 22, 2, resumed=3, epoch=3, step=600, replicas_before=2, loader="0")] + \
+        trained(22, 301.0, range(610, 700, 10), lambda s: 3, replicas=2)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    (loss,) = summary.progress_losses
+    assert not loss.from_scratch and loss.checkpoint == 3
+    assert (loss.reached_step, loss.resumed_step, loss.steps_lost, loss.epochs_lost) == (630, 600, 30, 0)
+    assert summary.restarts_from_scratch == 0
+    text = report.format_summary(summary)
+    assert ("progress lost: process 2 (pid 22) resumed checkpoint 3 at step 600 (epoch 3) although step 630 "
+            "(epoch 3) had been reached: 30 steps trained again") in text
+    assert "PROGRESS LOST" not in text and "from scratch" not in text
+
+
+def test_the_step_of_another_loader_in_the_start_event_is_not_taken_for_the_training_loaders(tmp_path):
+    """A stop in the validation loop: the checkpoint's ``step`` is the validation loader's (loader "1")."""
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    resumed = start(300.0, 22, 1, resumed=5, epoch=3, step=40, replicas_before=2, loader="1")
+    second = [resumed] + trained(22, 301.0, range(640, 700, 10), lambda s: 3, replicas=1)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    # not "at step 40", and no roll-back from 630 to 40: the first step record of loader "0" after the change
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 1, 640)]
+    assert summary.progress_losses == ()
+    # with every loader's step in the event, the training loader's is used
+    resumed["loader_steps"] = {"0": 632, "1": 40}
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 1, 632)]
+    assert summary.progress_losses == ()
+    assert report.resumed_step(resumed, "1") == 40 and report.resumed_step(resumed, "2") is None
+
+
+def test_a_resumed_checkpoint_without_a_step_takes_the_next_step_record(tmp_path):
+    """save_all_states() called without metadata: the start event has no step."""
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 110, 10), lambda s: 0, replicas=2)
+    second = [start(300.0, 22, 4, resumed=2)] + trained(22, 301.0, range(110, 150, 10), lambda s: 0, replicas=4)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 4, 110)]
+    assert summary.progress_losses == ()
+    # a change in a process that ended before its first step record: the step is unknown, and said so
+    third = [start(400.0, 33, 1, resumed=3)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second + third))))
+    assert [(c.after, c.step) for c in summary.replica_changes] == [(4, 110), (1, None)]
+    assert "4->1 at an unknown step" in report.format_summary(summary)
+
+
+def test_starting_from_scratch_is_no_loss_when_nothing_had_been_trained(tmp_path):
+    """The first launch, and a relaunch after a process that crashed before its first step record."""
+    records = [start(100.0, 11, 2), start(200.0, 22, 2)] + trained(22, 201.0, range(10, 50, 10), lambda s: 0, 2)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    assert summary.restarts == 1 and summary.progress_losses == ()
+    assert "from scratch" not in report.format_summary(summary)
+
+
+def test_a_restart_from_scratch_after_a_resume_counts_the_resumed_steps_too(tmp_path):
+    """Process 2 resumed step 634 and crashed before its first record; process 3 started from scratch."""
+    records = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    records += [start(300.0, 22, 2, resumed=4, epoch=3, step=634, loader="0")]
+    records += [start(400.0, 33, 2)] + trained(33, 401.0, range(10, 30, 10), lambda s: 0, replicas=2)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    (loss,) = summary.progress_losses
+    assert (loss.process, loss.from_scratch, loss.reached_step, loss.steps_lost) == (2, True, 634, 634)
+
+
+def test_without_start_events_a_step_counter_going_back_is_still_seen(tmp_path):
+    records = [step(1.0, 11, 10), step(2.0, 11, 20), step(3.0, 11, 30), step(9.0, 22, 10), step(10.0, 22, 20)]
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    (loss,) = summary.progress_losses
+    assert (loss.from_scratch, loss.reached_step, loss.resumed_step, loss.steps_lost) == (False, 30, 10, 20)
+
+
+def test_the_picture_marks_progress_lost(tmp_path):
+    pytest.importorskip("matplotlib", reason='the PNG needs the report extra: pip install "adaptive-elastic[report]"')
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    second = [start(300.0, 22, 1)] + trained(22, 301.0, range(10, 60, 10), lambda s: 0, replicas=1)
+    run = report.load_run(str(write_metrics(tmp_path, first + second)))
+    summary = report.summarize(run)
+    assert "PROGRESS LOST: 630 steps trained again (1 restart(s) from scratch)" in report._title(run, summary)
+    assert report._loss_label(summary.progress_losses[0]) == "process 2 started from scratch: 630 steps lost"
+    output = report.render_png(run, str(tmp_path / "report.png"), summary)
+    assert png_size(Path(output)) == (1400, 1600)
+
+
+@pytest.mark.distributed
+def test_report_of_a_real_run_that_lost_its_checkpoints(tmp_path):
+    """A real job stops gracefully, its checkpoints vanish, and the relaunch trains from scratch."""
+    script = tmp_path / "tiny_job.py"
+    script.write_text(TINY_JOB)
+    first = run_job(script, tmp_path, STOP_AT_STEP="12")
+    assert first.returncode == 143, first.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "share" / "metrics.jsonl").read_text().splitlines()]
+    reached = max(r["step"] for r in lines if "event" not in r)
+    for path in sorted((tmp_path / "checkpoints").rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    second = run_job(script, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    summary = report.summarize(report.load_run(str(tmp_path / "share")))
+    (loss,) = summary.progress_losses
+    assert loss.from_scratch and loss.resumed_step == 0 and loss.reached_step == reached >= 12
+    text = report.format_summary(summary)
+    assert "started from scratch" in text and "PROGRESS LOST" in text and "step None" not in text
+
+
+def test_a_loss_is_counted_once_and_later_resumes_follow_the_new_progress(tmp_path):
+    """From scratch at pid 22, then a graceful resume of what pid 22 trained: one loss, not two."""
+    records = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    records += [start(300.0, 22, 2)] + trained(22, 301.0, range(10, 60, 10), lambda s: 0, replicas=2)
+    records += [start(400.0, 33, 2, resumed=1, epoch=0, step=55, loader="0")]
+    records += trained(33, 401.0, range(60, 100, 10), lambda s: 0, replicas=2)
+    records += [start(500.0, 44, 2, resumed=2, epoch=0, step=70, loader="0")]  # a crash: 90 -> 70
+    records += trained(44, 501.0, range(80, 100, 10), lambda s: 0, replicas=2)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, records))))
+    assert [(loss.process, loss.from_scratch, loss.reached_step, loss.resumed_step) for loss in
+            summary.progress_losses] == [(1, True, 630, 0), (3, False, 90, 70)]
+    assert summary.steps_lost == 630 + 20 and summary.restarts_from_scratch == 1
+
+
+def test_a_start_event_that_names_no_loader_is_not_taken_for_the_training_loaders_step(tmp_path):
+    """Today's start event has ``step`` but not ``loader``: the step may be a validation loop's."""
+    first = [start(100.0, 11, 2)] + trained(11, 101.0, range(10, 640, 10), lambda s: s // 200, replicas=2)
+    second = [start(300.0, 22, 3, resumed=5, epoch=3, step=40, replicas_before=2)] + \
+        trained(22, 301.0, range(640, 700, 10), lambda s: 3, replicas=3)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 3, 640)]
+    assert summary.progress_losses == ()
+    # records that name no loader (one loader, an older writer): the event's step is the one there is
+    for record in first + second:
+        record.pop("loader", None)
+    summary = report.summarize(report.load_run(str(write_metrics(tmp_path, first + second))))
+    assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 3, 40)]
+    (loss,) = summary.progress_losses
+    assert (loss.reached_step, loss.resumed_step) == (630, 40)
