@@ -78,15 +78,31 @@ def main(argv: list[str] | None = None) -> None:
     except SignalException as stop:
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
         problems = stop_problems(status_dir, _local_workers(args))
+        shutil.rmtree(status_dir, ignore_errors=True)
         if problems:
             logger.error("adaptive-run: stopped by %s, but the stop could not write its checkpoint: %s; the job "
                          "will resume from the last complete checkpoint", stop.sigval.name, "; ".join(problems))
-            raise SystemExit(1) from None
+            _exit_now(1)
         logger.warning("adaptive-run: stopped by %s; every worker checkpointed; relaunch the same command "
                        "to resume", stop.sigval.name)
-        raise SystemExit(128 + int(stop.sigval)) from None
+        _exit_now(128 + int(stop.sigval))
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with ``code`` once the logs are out, skipping the interpreter's teardown.
+
+    After a stop the agent's rendezvous store threads may still be running;
+    tearing them down at interpreter exit can abort the process in C++
+    ("terminate called without an active exception", exit -6), which would
+    turn a clean stop into a crash for whoever launched us.  The workers are
+    gone and everything was reported, so nothing is left to clean up.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _local_workers(args) -> int | None:

@@ -133,9 +133,9 @@ def test_elastic_demo_stops_resumes_on_3_replicas_and_reports(tmp_path):
     assert resumed[0] <= before[-1][0] + 1, "epochs were skipped"
     assert {r for _, _, r in after} == {3} and after[-1][1] < 0.02, after
     assert ">>> the job exited with 0: finished" in second
-    stops = [info for info in CheckpointStore(run_dir / "checkpoints").list()
-             if info.metadata.get("reason") == "stop"]
-    assert stops and stops[-1].metadata["replicas"] == 2, [i.metadata for i in CheckpointStore(run_dir / "checkpoints").list()]
+    checkpoints = [info.metadata for info in CheckpointStore(run_dir / "checkpoints").list()]
+    stops = [meta for meta in checkpoints if meta.get("reason") == "stop"]
+    assert stops and stops[-1]["replicas"] == 2, checkpoints
 
     report = subprocess.run([sys.executable, "-m", "adaptive", "report", str(run_dir)], env=environment,
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=120)

@@ -312,15 +312,22 @@ WORKER = os.path.join(REPO, "tests", "workers", "elastic_worker.py")
 def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
     if not hasattr(pytest.importorskip("adaptive"), "AdaptiveDataLoader"):
         pytest.skip("the elastic core (adaptive.AdaptiveDataLoader) is not available")
+    # The order of events is fixed by gates (tests/workers/elastic_worker.py, WORKER_GATE), not by timing:
+    # "short" (2 replicas) trains only once "long" (1 replica) has finished epoch 0, and "long" holds at
+    # the start of epoch 1 until "short" has succeeded and the executor has asked "long" to stop (the
+    # stop releases the gate); the gate is opened for its relaunch on 3 replicas.
+    long_gate = tmp_path / "long-may-continue"
+    gates = {"short": {"WORKER_GATE": str(tmp_path / "long" / "epochs.jsonl")},
+             "long": {"WORKER_GATE": str(long_gate), "WORKER_GATE_EPOCH": "1"}}
     specs = []
-    for name, epochs, sleep in (("short", 2, 0.02), ("long", 6, 0.15)):
+    for name, epochs, sleep in (("short", 2, 0.02), ("long", 6, 0.05)):
         out = tmp_path / name
         out.mkdir()
         specs.append(JobSpec(name=name, command=(WORKER,), checkpoint_dir=str(tmp_path / f"{name}-ckpt"),
                              max_replicas=3, max_failures=0,
                              env={"WORKER_OUT": str(out), "WORKER_SAMPLES": "240", "WORKER_BATCH": "24",
                                   "WORKER_EPOCHS": str(epochs), "WORKER_STEP_SLEEP": str(sleep),
-                                  "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}))
+                                  "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **gates[name]}))
     backend = LocalBackend(str(tmp_path / "logs"))
     ex = Executor(backend, EqualShare(), ClusterSpec(1, 3), interval=600, grace_period=60)
     for spec_ in specs:
@@ -330,6 +337,9 @@ def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
         while not ex.done:
             assert time.monotonic() < deadline, f"jobs did not finish: {ex.status()}"
             ex.step()
+            if ex.jobs["short"].state is JobState.SUCCEEDED and not long_gate.exists():
+                assert ex.jobs["long"].state is JobState.STOPPING, ex.status()  # asked to stop in that step
+                long_gate.touch()
             time.sleep(0.2)
     finally:
         ex.shutdown(timeout=30)
@@ -342,4 +352,9 @@ def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
         assert [r["epoch"] for r in records] == list(range(epochs)), records
         assert all(r["missing"] == 0 and r["extra"] == 0 for r in records), records
     worlds = [json.loads(line)["world"] for line in open(tmp_path / "long" / "epochs.jsonl")]
-    assert worlds[0] == 1 and worlds[-1] == 3, worlds
+    assert worlds == [1, 3, 3, 3, 3, 3], worlds  # epoch 0 on its first share, the rest after the scale-up
+    logs = sorted((tmp_path / "logs" / "long").glob("attempt-*.log"))
+    assert len(logs) == 2 and "resuming from checkpoint" in logs[1].read_text()
+    resumes = [json.loads(line) for line in open(tmp_path / "long" / "resume.rank0.jsonl")]
+    assert [r["seq"] is None for r in resumes] == [True, False]  # the relaunch resumed the stop's checkpoint
+    assert resumes[1]["loader_step"] >= 10  # epoch 0 (10 steps) was not trained again

@@ -7,11 +7,17 @@ Environment knobs (all optional):
     WORKER_EPOCHS       epochs to train (default 3)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
     WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
+    WORKER_GATE         a path: from epoch WORKER_GATE_EPOCH (default 0) on, each step waits until it
+                        exists (or a stop is requested), so a test can order two jobs' progress
 
 Each rank rewrites ``progress.rank<R>.json`` after every step (pid, epoch,
 loader step, world size) so tests know when and whom to kill.  At the end of
 each epoch rank 0 appends the epoch's per-sample counts, summed over all
 replicas by an Accumulator, to ``epochs.jsonl``; at the end ``done.json``.
+Right after building the model (SGD with momentum, so the optimizer has state
+to restore) and the loader, each rank appends to ``resume.rank<R>.jsonl`` the
+checkpoint it resumed and digests of the model and optimizer state it holds;
+on exit, its exit status to ``exits.rank<R>.jsonl`` (see ``worker_common``).
 """
 
 import logging
@@ -23,7 +29,7 @@ import numpy as np
 import torch
 
 import adaptive
-from worker_common import StepCountingLinear, append_jsonl, write_json
+from worker_common import StepCountingLinear, append_jsonl, record_resume, run_main, wait_for_gate, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "600"))
@@ -31,6 +37,8 @@ BATCH = int(os.environ.get("WORKER_BATCH", "24"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
+GATE = os.environ.get("WORKER_GATE")
+GATE_EPOCH = int(os.environ.get("WORKER_GATE_EPOCH", "0"))
 
 logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
 
@@ -49,9 +57,10 @@ def main():
     adaptive.init_process_group("gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     model = StepCountingLinear(1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7)
+    record_resume(OUT, rank, world, model, optimizer, loader)
     if AUTOSCALE:
         max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
         loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
@@ -59,6 +68,8 @@ def main():
     counts = adaptive.Accumulator()
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         for x, y, index in loader:
+            if GATE and epoch >= GATE_EPOCH:
+                wait_for_gate(GATE, "the gate")
             loss = (model(x) - y).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -87,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, OUT, int(os.environ.get("RANK", 0)))

@@ -14,7 +14,10 @@ line per step to ``steps.jsonl`` (consumed tokens before the step, its real
 and padded tokens, planned size, micro-steps and budget), the epoch's
 per-sample counts (summed over replicas by an Accumulator) to
 ``epochs.jsonl`` and, at the end, ``done.json``: the files
-``tests/elastic_harness.py`` checks.
+``tests/elastic_harness.py`` checks.  The optimizer is SGD with momentum (state
+to restore); right after building it and the loader each rank appends its resumed
+checkpoint and state digests to ``resume.rank<R>.jsonl``, and on exit its exit
+status to ``exits.rank<R>.jsonl`` (see ``worker_common``).
 """
 
 import logging
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 import adaptive
-from worker_common import StepCountingLinear, append_jsonl, write_json
+from worker_common import StepCountingLinear, append_jsonl, record_resume, run_main, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "400"))
@@ -65,10 +68,11 @@ def main():
     adaptive.init_process_group("gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     model = StepCountingLinear(2, squeeze=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(Tokens(), shuffle=True, seed=7, max_tokens=MAX_TOKENS, lengths=LENGTHS,
                                          window_size=128, batch_size_schedule=SCHEDULE, collate_fn=pad)
+    record_resume(OUT, rank, world, model, optimizer, loader)
     counts = adaptive.Accumulator()
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         for index, x, y, mask in loader:
@@ -104,4 +108,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, OUT, int(os.environ.get("RANK", 0)))

@@ -1,7 +1,9 @@
 """Pieces shared by the multi-process test workers (imported next to them)."""
 
+import hashlib
 import json
 import os
+import time
 
 import torch
 
@@ -33,3 +35,77 @@ def append_jsonl(path, record):
     """Append one JSON line to ``path``."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def state_digest(value) -> str:
+    """SHA-256 of a nested state dict: container structure, keys, dtypes, shapes and exact tensor bytes.
+
+    The tests compute it from a checkpoint's file and the workers from their
+    live model and optimizer, so equal digests mean the state was applied exactly.
+    """
+    digest = hashlib.sha256()
+    _feed(digest, value)
+    return digest.hexdigest()
+
+
+def _feed(digest, value) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode() + b":")
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def record_resume(out, rank, world, model, optimizer, loader) -> None:
+    """Append what this process starts from, right after building its model, optimizer and loader:
+    the checkpoint it resumed (None on a fresh start), digests of the model's and the optimizer's
+    state as applied, and the loader's step.  ``resume.rank<R>.jsonl`` has one line per process."""
+    from adaptive.checkpoint import resumed_checkpoint
+
+    checkpoint = resumed_checkpoint()
+    append_jsonl(os.path.join(out, f"resume.rank{rank}.jsonl"), {
+        "pid": os.getpid(), "time": time.time(), "rank": rank, "world": world,
+        "seq": None if checkpoint is None else checkpoint.info.seq,
+        "model": state_digest(model.module.state_dict()), "optimizer": state_digest(optimizer.state_dict()),
+        "optimizer_state": len(optimizer.state_dict()["state"]), "loader_step": loader.step,
+        "model_steps": int(model.module.steps)})
+
+
+def wait_for_gate(path, what, timeout=240.0) -> None:
+    """Block until ``path`` exists (another job's progress, for tests that order two jobs), or
+    until this process was asked to stop: then the next step boundary acts on the stop."""
+    from adaptive.sync_points import stop_requested
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and not stop_requested():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up after {timeout:.0f} s waiting for {what} ({path})")
+        time.sleep(0.05)
+
+
+def run_main(main, out, rank) -> None:
+    """Run ``main()``; append how this process exits (its exit status) to ``exits.rank<R>.jsonl``."""
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        append_jsonl(os.path.join(out, f"exits.rank{rank}.jsonl"), {"pid": os.getpid(), "code": code,
+                                                                    "time": time.time()})
