@@ -85,7 +85,6 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     if state.finished >= epoch:
         logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
     _looping = True
-    saved_at_last_boundary = True  # nothing to save if no epoch runs
     try:
         while state.finished < epoch:
             state.current = state.finished
@@ -94,16 +93,19 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
             state.finished = state.current + 1
             state.current = None
             checkpoint.end_epoch()
-            saves = checkpoint.save_count()
+            if state.finished == epoch:
+                _save_finished(state)
             sync_points.settle(lambda: _epoch_metadata(state))
-            saved_at_last_boundary = checkpoint.save_count() > saves
     finally:
         _looping = False
         checkpoint.end_epoch()
-    if not saved_at_last_boundary:
-        checkpoint.save_all_states(dict(_epoch_metadata(state), reason="finished"))
-        logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
-                   "all %d epochs finished; checkpointed so that a relaunch trains nothing", epoch)
+
+
+def _save_finished(state: _EpochState) -> None:
+    """Checkpoint the finished job (before the last agreement, which a due checkpoint then skips)."""
+    checkpoint.save_all_states(dict(_epoch_metadata(state), reason="finished"))
+    logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
+               "all %d epochs finished; checkpointed so that a relaunch trains nothing", state.finished)
 
 
 def _epoch_metadata(state: _EpochState) -> dict:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,3 +45,16 @@ def _no_stray_job_env(monkeypatch):
     if os.environ.get("WORLD_SIZE") not in (None, "1"):
         monkeypatch.setenv("WORLD_SIZE", "1")
         monkeypatch.setenv("RANK", "0")
+
+
+class Indices(torch.utils.data.Dataset):
+    """A map-style dataset whose samples are their own indices: tests see exactly what was loaded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index

@@ -556,16 +556,19 @@ def kill_one_worker(run: CorpusRun, nproc: int, resume_seq: int | None = None, *
 
 
 def relaunch_finished(run: CorpusRun, nproc: int, sequence: str = "") -> None:
-    """Relaunching a finished job trains nothing and exits 0."""
+    """Relaunching a finished job resumes its last checkpoint, trains nothing and exits 0; that
+    checkpoint says the job finished (reason "finished")."""
     seq, meta = newest_checkpoint(run)
-    assert meta.get("reason") == "finished", f"the newest checkpoint after the job is not a 'finished' one: {meta}"
     launch = run.launch(nproc)
     label = f"{run.script.id} {sequence} relaunch of the finished job"
     code = run.wait()
     assert code == 0, f"{label}: exit status {code}\n{run.last_log()}"
     tag = _attempt_tag(launch)
-    assert not run.records("samples").get(tag), f"{label}: trained again\n{run.last_log()}"
     assert_resumed(run, tag, nproc, seq, label)
+    again = run.records("samples").get(tag, [])
+    assert not again, f"{label}: {len(again) // nproc} steps run again " \
+                      f"({sorted({(r['epoch'], r['loop']) for r in again})}) from checkpoint {seq}: {meta}"
+    assert meta.get("reason") == "finished", f"{label}: the job's last checkpoint {seq} is not a 'finished' one: {meta}"
 
 
 def run_reference(jobs: Jobs, script: Script, out: Path) -> CorpusRun:

@@ -25,20 +25,9 @@ import adaptive
 from adaptive import sync_points
 from adaptive.checkpoint import resumed_checkpoint
 from adaptive.checkpoint_store import CheckpointError, CheckpointStore
-from conftest import restart_process_state
+from conftest import Indices, restart_process_state
 
 MODEL_STATE = "adaptive.parallel.model"
-
-
-class Indices(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 class Regression(torch.utils.data.Dataset):

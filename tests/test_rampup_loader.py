@@ -14,18 +14,7 @@ from adaptive.rampup import LinearRampup, StagedSchedule
 from adaptive.sampler import ElasticSampler
 from adaptive.sample_loader import SampleBatching
 from adaptive.step_plan import StepShape, StepSizer
-from conftest import restart_process_state
-
-
-class Indices(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
+from conftest import Indices, restart_process_state
 
 
 def _run(schedule, epochs: int, n: int = 60, stop_at: tuple[int, int] | None = None, log: list | None = None,

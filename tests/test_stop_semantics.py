@@ -23,20 +23,9 @@ import torch
 import adaptive
 from adaptive import checkpoint, collectives, env, sync_points
 from adaptive.checkpoint_store import CheckpointStore
-from conftest import restart_process_state
+from conftest import Indices, restart_process_state
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Indices(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 def _latest(job: Path):
