@@ -303,8 +303,8 @@ def assert_steps_continue(script: Script, by_attempt: dict[str, list[dict]], whe
     for loop, steps in per_loop.items():
         assert len(steps) == len(set(steps)), \
             f"{where}: {loop} steps trained twice: {sorted(s for s, n in collections.Counter(steps).items() if n > 1)}"
-        assert sorted(steps) == list(range(min(steps), min(steps) + len(steps))), \
-            f"{where}: {loop} steps skipped: {sorted(set(range(min(steps), max(steps) + 1)) - set(steps))}"
+        assert sorted(steps) == list(range(len(steps))), \
+            f"{where}: {loop} steps skipped: {sorted(set(range(max(steps) + 1)) - set(steps))}"
 
 
 # ---------------------------------------------------------------------- resumes and checkpoints
