@@ -407,6 +407,7 @@ class AdaptiveDataLoader:
         self._timing = _StepTiming()
         self._metrics = metrics.MetricsWriter()
         self._progress_logged = time.monotonic()
+        self._scope_warned = False  # warned that this loader outlived the epoch that owns it
         self._state = _AdaptiveDataLoaderState(f"adaptive.dataloader.{name}", reference, checkpoint.epoch_scope())
         if checkpoint.load_state(self._state) and self._state.batch_size != reference:
             logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
@@ -672,7 +673,7 @@ class AdaptiveDataLoader:
 
     def _warn_if_out_of_scope(self, key: int | None) -> None:
         scope = self._state.scope
-        if scope is not None and key != scope and not getattr(self, "_scope_warned", False):
+        if scope is not None and key != scope and not self._scope_warned:
             self._scope_warned = True
             logger.warning("loader %s was created inside epoch %d and is iterated in epoch %s: objects created "
                            "inside an epoch are checkpointed only until that epoch ends, so its position is not "

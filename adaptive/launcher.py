@@ -28,12 +28,13 @@ with 1.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
+
+from adaptive.atomic_json import read_json
 
 __all__ = ["main", "RDZV_DEFAULTS", "build_args"]
 
@@ -121,8 +122,7 @@ def stop_problems(status_dir: str, workers: int | None) -> list[str]:
         if not (entry.startswith("local-rank-") and entry.endswith(".json")):
             continue
         try:
-            with open(os.path.join(status_dir, entry), encoding="utf-8") as file:
-                record = json.load(file)
+            record = read_json(os.path.join(status_dir, entry))
             found[int(entry[len("local-rank-"):-len(".json")])] = record
         except (OSError, ValueError) as error:
             problems.append(f"{entry} is unreadable ({error})")

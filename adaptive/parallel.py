@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive import checkpoint, collectives, dataloader_context, env, sync_points
 from adaptive.gns import GradientNoiseScale
+from adaptive.metrics import tensorboard_prefix
 from adaptive.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.step_lr import StepLRFactor
 
@@ -184,10 +186,6 @@ class AdaptiveDataParallel(DistributedDataParallel):
         default prefix is ``adaptive/`` and a ``/`` is appended to a prefix
         that lacks one (see :func:`adaptive.metrics.tensorboard_prefix`).
         """
-        import math
-
-        from adaptive.metrics import tensorboard_prefix
-
         prefix = tensorboard_prefix(tag_prefix)
         values = {"gain": self.scaling_rule.last_gain, "lr_factor": self.scaling_rule.last_factor,
                   "progress": self.scaling_rule.progress}

@@ -37,7 +37,6 @@ at once *without* writing, so the last complete checkpoint stays the newest.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -46,6 +45,7 @@ import time
 from typing import Any, Callable
 
 from adaptive import checkpoint, collectives, env
+from adaptive.atomic_json import write_json_atomic
 
 __all__ = [
     "GRACEFUL_EXIT_CODE",
@@ -228,10 +228,7 @@ def _write_stop_status(**status: Any) -> None:
         return
     record = dict(status, rank=env.rank(), pid=os.getpid(), time=time.time())
     try:
-        temp = f"{path}.{os.getpid()}.tmp"
-        with open(temp, "w", encoding="utf-8") as file:
-            json.dump(record, file)
-        os.replace(temp, path)
+        write_json_atomic(path, record)
     except OSError as error:
         logger.warning("could not confirm the stop to adaptive-run (%s): %s", path, error)
 
