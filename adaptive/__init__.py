@@ -20,7 +20,7 @@ from adaptive.accumulator import Accumulator
 from adaptive.checkpoint import CheckpointError, State, load_state, save_all_states
 from adaptive.collectives import CollectiveError, init_process_group
 from adaptive.dataloader import AdaptiveDataLoader
-from adaptive.epoch import current_epoch, finished_epochs, remaining_epochs_until
+from adaptive.epoch import current_epoch, finish_training, finished_epochs, remaining_epochs_until, training_finished
 from adaptive.parallel import AdaptiveDataParallel
 from adaptive.rampup import ConstantSchedule, LinearRampup, StagedSchedule
 from adaptive.sync_points import request_stop
@@ -40,10 +40,12 @@ __all__ = [
     "StagedSchedule",
     "State",
     "current_epoch",
+    "finish_training",
     "finished_epochs",
     "init_process_group",
     "load_state",
     "remaining_epochs_until",
     "request_stop",
     "save_all_states",
+    "training_finished",
 ]

@@ -685,7 +685,7 @@ class AdaptiveDataLoader:
         self._timing.reset()
         sync_points.restart_spacing()  # this loop's steps may be much longer or shorter than the last loop's
         try:
-            while True:
+            while not epoch.training_finished():  # finish_training() in the loop body ends the loop
                 first = plan is None
                 if first:  # a stop that arrived between loops is acted on before the first step
                     sync_points.settle(self._checkpoint_metadata)
@@ -709,17 +709,29 @@ class AdaptiveDataLoader:
                 for micro in range(count):
                     self._micro = (micro, count)
                     yield self._timing.fetch(plan.batches, last=micro == count - 1)
-                self._batching.commit(state, step)
-                state.step += 1
-                self._end_step(step)
+                self._commit(step)
         except GeneratorExit:
             # ``break`` (or the loop abandoned): the loop counts as done.  No
             # collective here: the pending agreement settles at the next boundary.
-            self._end_step(None)
+            step, micro = self._step_now, self._micro
+            if epoch.training_finished() and step is not None and micro is not None and micro[0] == micro[1] - 1:
+                self._commit(step)  # finish_training() then break after the step's last micro-batch: it was taken
+            else:
+                self._end_step(None)
             self._mark_finished(key)
+            epoch.save_pending_finish()  # all replicas called finish_training(): this collective is safe
             raise
         self._mark_finished(key)
-        sync_points.final_boundary(self._checkpoint_metadata)
+        if epoch.training_finished():  # finish_training() in the loop body: checkpointed, nothing left to agree on
+            epoch.save_pending_finish()
+        else:
+            sync_points.final_boundary(self._checkpoint_metadata)
+
+    def _commit(self, step: PlannedStep) -> None:
+        """The step's micro-batches were all trained: advance the position past it."""
+        self._batching.commit(self._state, step)
+        self._state.step += 1
+        self._end_step(step)
 
     def _start_plan(self, key: Any) -> _Plan:
         """(Re)start planning from the committed position; the fetching side follows the same plan."""

@@ -16,6 +16,11 @@ whether to stop or checkpoint, so a stop that arrives in code between loops
 is acted on there at the latest.  When the last epoch is finished the loop
 saves a checkpoint (reason ``"finished"``): relaunching a finished job
 trains nothing.
+
+A script that ends training early (a ``--max-steps`` limit) calls
+:func:`finish_training` before it leaves the loop with ``break``: a plain
+``break`` cannot be told apart from an exception unwinding the loop, and a
+crash must never be checkpointed as finished.
 """
 
 from __future__ import annotations
@@ -23,27 +28,30 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from adaptive import checkpoint, env, sync_points
+from adaptive import checkpoint, dataloader_context, env, sync_points
 
-__all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs"]
+__all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished"]
 
 logger = logging.getLogger(__name__)
 
 
 class _EpochState(checkpoint.State):
-    """The epoch in progress and how many epochs are finished."""
+    """The epoch in progress, how many epochs are finished, and whether training was ended early."""
 
     def __init__(self) -> None:
         super().__init__("adaptive.epoch")
         self.current: int | None = None
         self.finished = 0
+        self.ended = False  # finish_training() was called
+        self.save_pending = False  # ... inside a loader step: its loader saves once the step is committed
 
     def state_dict(self) -> dict:
-        return {"current": self.current, "finished": self.finished}
+        return {"current": self.current, "finished": self.finished, "ended": self.ended}
 
     def load_state_dict(self, state: dict) -> None:
         self.current = state["current"]
         self.finished = int(state["finished"])
+        self.ended = bool(state.get("ended", False))  # absent from checkpoints written before finish_training
 
 
 _state: _EpochState | None = None
@@ -68,6 +76,44 @@ def finished_epochs() -> int:
     return _epoch_state().finished
 
 
+def training_finished() -> bool:
+    """True once :func:`finish_training` was called, in this run or before a restart."""
+    return _epoch_state().ended
+
+
+def finish_training() -> None:
+    """End training here: checkpoint it as finished, so that a relaunch trains nothing.
+
+    Call it on every replica at the same point (it is collective, like a
+    loader ``break``), typically just before leaving the epoch loop early::
+
+        if loader.step >= max_steps:
+            adaptive.finish_training()
+            break
+
+    Afterwards :func:`remaining_epochs_until` yields no further epoch and a
+    loader loop in progress ends at its next step; after a relaunch the epoch
+    loop yields nothing and the code after it runs again on the saved state.
+    Calling it again does nothing.
+    """
+    state = _epoch_state()
+    if state.ended:
+        return
+    state.ended = True
+    if dataloader_context.current_dataloader() is not None:
+        state.save_pending = True  # saved by the loader, after the step in progress counts as taken
+    else:
+        _save_finished(state)
+
+
+def save_pending_finish() -> None:
+    """Write the checkpoint of a :func:`finish_training` called inside a loader step (the loader calls this)."""
+    state = _epoch_state()
+    if state.save_pending:
+        state.save_pending = False
+        _save_finished(state)
+
+
 def remaining_epochs_until(epoch: int) -> Iterator[int]:
     """Yield the epochs from the first unfinished one up to ``epoch - 1``.
 
@@ -82,14 +128,23 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         raise RuntimeError("remaining_epochs_until loops cannot be nested")
     state = _epoch_state()
     sync_points.install_signal_handlers()
-    if state.finished >= epoch:
+    if state.ended:
+        logger.info("training was ended by finish_training() after %d epochs; nothing left to train",
+                    state.finished)
+    elif state.finished >= epoch:
         logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
     _looping = True
     try:
-        while state.finished < epoch:
+        while state.finished < epoch and not state.ended:
             state.current = state.finished
             checkpoint.begin_epoch(state.current)
-            yield state.current
+            try:
+                yield state.current
+            except GeneratorExit:
+                _left_early(state, epoch)
+                raise
+            if state.ended:  # finish_training() inside the epoch: it is saved, nothing more to agree on
+                break
             state.finished = state.current + 1
             state.current = None
             checkpoint.end_epoch()
@@ -101,15 +156,28 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         checkpoint.end_epoch()
 
 
+def _left_early(state: _EpochState, epoch: int) -> None:
+    """The epoch loop was left (``break`` or an exception): say what a relaunch will do."""
+    if state.ended or env.rank() != 0:
+        return
+    logger.warning("the epoch loop was left in epoch %s of %d without finish_training(); no 'finished' "
+                   "checkpoint is written, so a relaunch resumes from the last checkpoint. If this was a "
+                   "deliberate break, call adaptive.finish_training() before it", state.current, epoch)
+
+
 def _save_finished(state: _EpochState) -> None:
     """Checkpoint the finished job (before the last agreement, which a due checkpoint then skips)."""
     checkpoint.save_all_states(dict(_epoch_metadata(state), reason="finished"))
+    what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
-               "all %d epochs finished; checkpointed so that a relaunch trains nothing", state.finished)
+               "%s; checkpointed so that a relaunch trains nothing", what)
 
 
 def _epoch_metadata(state: _EpochState) -> dict:
-    """The position at an epoch boundary: the last loop's step, and the next epoch to run."""
+    """The position at an epoch boundary (the last loop's step, the next epoch to run), or where training ended."""
+    if state.ended:
+        epoch = state.current if state.current is not None else state.finished
+        return dict(sync_points.last_position(), epoch=epoch, epoch_finished=False, training_ended=True)
     return dict(sync_points.last_position(), epoch=state.finished, epoch_finished=True)
 
 

@@ -140,6 +140,7 @@ def main() -> None:
         lr_scheduler.step()  # after the epoch's last loader loop, so that a replayed epoch does not step it twice
         if args.max_steps and train_loader.step >= args.max_steps:
             log.info("stopping after %d optimizer steps (--max-steps)", train_loader.step)
+            adaptive.finish_training()  # checkpointed as finished: a relaunch trains nothing
             break
     if writer is not None:
         writer.close()

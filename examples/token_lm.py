@@ -213,6 +213,7 @@ def main() -> None:
             stats.clear()
         if args.steps and train_loader.step >= args.steps:
             log.info("stopping after %d optimizer steps (--steps)", train_loader.step)
+            adaptive.finish_training()  # checkpointed as finished: a relaunch trains nothing
             break
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import shutil
 
@@ -204,6 +205,54 @@ def test_break_counts_as_finished_loop(job):
                 break
         assert len(list(loader)) == 10  # a second loop in the same epoch starts from the beginning
     assert loader.step == 12  # the step broken out of is not counted as taken
+
+
+def _train_until(max_steps: int, where: str, epochs: int = 4) -> tuple[list[int], Any]:
+    """The ``--max-steps`` pattern: the samples trained, and the loader.
+
+    ``where``: finish_training() after the epoch's loop ("after-loop"), or in
+    the loop body on the last step, then leaving it ("in-loop-break") or not
+    ("in-loop", the loop ends at its next step).
+    """
+    trained: list[int] = []
+    loader = adaptive.AdaptiveDataLoader(Indices(20), batch_size=4, shuffle=True)
+    for _ in adaptive.remaining_epochs_until(epochs):
+        for batch in loader:
+            trained.extend(batch.tolist())
+            if where != "after-loop" and loader.step + 1 >= max_steps:
+                adaptive.finish_training()
+                if where == "in-loop-break":
+                    break
+        if loader.step >= max_steps:
+            if where == "after-loop":
+                adaptive.finish_training()
+            break
+    return trained, loader
+
+
+@pytest.mark.parametrize("where", ["after-loop", "in-loop", "in-loop-break"])
+def test_finish_training_checkpoints_an_early_end_that_a_relaunch_keeps(job, where):
+    trained, loader = _train_until(7, where)
+    steps = 10 if where == "after-loop" else 7  # after the loop: the epoch's loop ran to its end (5 steps each)
+    assert loader.step == steps and len(trained) == 4 * steps and adaptive.training_finished()
+    latest = adaptive.checkpoint._checkpoint_store().latest()
+    assert latest.info.metadata["reason"] == "finished" and latest.info.metadata["training_ended"] is True
+    restart_process_state()
+    replayed, loader = _train_until(7, where)
+    assert replayed == [] and loader.step == steps  # nothing trained again, the position is the saved one
+    assert adaptive.training_finished() and list(adaptive.remaining_epochs_until(4)) == []
+
+
+def test_break_without_finish_training_warns_and_resumes_from_the_last_checkpoint(job, caplog):
+    loader = adaptive.AdaptiveDataLoader(Indices(20), batch_size=4)
+    with caplog.at_level("WARNING", logger="adaptive.epoch"):
+        for _ in adaptive.remaining_epochs_until(3):
+            for _ in loader:
+                pass
+            break
+    assert "without finish_training()" in caplog.text and not adaptive.training_finished()
+    restart_process_state()
+    assert list(adaptive.remaining_epochs_until(3)) == [0, 1, 2]  # no finished checkpoint: all epochs remain
 
 
 def test_periodic_checkpoints_and_resume_after_crash_roll_back_together(job, monkeypatch):

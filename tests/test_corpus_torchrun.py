@@ -157,18 +157,8 @@ SCHEDULERS = [
 FAST_SCHEDULER = ("onecyclelr", "adamw")
 
 
-#: Open (issue 12): a job that leaves the epoch loop with ``break`` (``--max-steps``) writes no "finished"
-#: checkpoint, so the gauntlet's relaunch of the finished job trains the steps since the last periodic one again.
-_EPOCH_BREAK_OPEN = pytest.mark.xfail(strict=True, reason="leaving the epoch loop with break is not checkpointed "
-                                      "(docs/restarts.md); the relaunch of the finished job trains its tail again")
-
-
-def _scheduler_marks(options: dict) -> list:
-    return [pytest.mark.slow, _EPOCH_BREAK_OPEN] if options.get("max_steps") else [pytest.mark.slow]
-
-
 @pytest.mark.parametrize("scheduler, optimizer, options",
-                         [pytest.param(s, o, opts, id=scheduler_script(s, o, **opts).id, marks=_scheduler_marks(opts))
+                         [pytest.param(s, o, opts, id=scheduler_script(s, o, **opts).id, marks=pytest.mark.slow)
                           for s, o, opts in SCHEDULERS])
 def test_every_scheduler_and_optimizer_survives_the_gauntlet(jobs, references, tmp_path, scheduler, optimizer,
                                                              options):

@@ -175,6 +175,7 @@ def main() -> None:
         probe.epoch_end(epoch, lr=lr)
         probe.pause(epoch, "epoch-end")
         if args.max_steps and train_loader.step >= args.max_steps:
+            adl.finish_training()  # checkpointed as finished: a relaunch trains nothing
             break
     probe.done({"train": train_loader, "valid": valid_loader}, {"model": model})
 
