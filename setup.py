@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="adaptive-elastic",
-    version="0.1.0",
+    version="0.2.0",
     description="Elastic, adaptive-batch-size training for PyTorch under torchrun",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -27,8 +27,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "adaptive-run=adaptive.launcher:main",
-            "adaptive=adaptive.cli:main",
+            "adaptive-run=adaptive.elastic.launcher:main",
+            "adaptive=adaptive.observe.cli:main",
             "adaptive-simulate=scheduler.simulate:main",
             "adaptive-supervisor=scheduler.supervisor.__main__:main",
             "adaptive-executor=scheduler.executor.__main__:main",

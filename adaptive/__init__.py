@@ -16,36 +16,54 @@ defaults).  Killing workers, rescaling, or relaunching the same command
 resumes from the last checkpoint with the new number of replicas.
 """
 
-from adaptive.accumulator import Accumulator
-from adaptive.checkpoint import CheckpointError, State, load_state, save_all_states
-from adaptive.collectives import CollectiveError, init_process_group
-from adaptive.dataloader import AdaptiveDataLoader
-from adaptive.epoch import current_epoch, finish_training, finished_epochs, remaining_epochs_until, training_finished
-from adaptive.parallel import AdaptiveDataParallel
-from adaptive.rampup import ConstantSchedule, LinearRampup, StagedSchedule
-from adaptive.sync_points import request_stop
-from adaptive.token_batching import OversizeSampleError
+from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Accumulator",
-    "AdaptiveDataLoader",
-    "AdaptiveDataParallel",
-    "CheckpointError",
-    "CollectiveError",
-    "ConstantSchedule",
-    "LinearRampup",
-    "OversizeSampleError",
-    "StagedSchedule",
-    "State",
-    "current_epoch",
-    "finish_training",
-    "finished_epochs",
-    "init_process_group",
-    "load_state",
-    "remaining_epochs_until",
-    "request_stop",
-    "save_all_states",
-    "training_finished",
-]
+from adaptive._utils.lazy import lazy_exports
+
+__version__ = "0.2.0"
+
+#: Each public name and the module that defines it.  Imported on first use, so
+#: that the torch-free parts (``adaptive.batchsize.goodput``, ``adaptive.data.sampler``,
+#: ...) import without torch.
+_EXPORTS = {
+    "Accumulator": "adaptive.elastic.accumulator",
+    "AdaptiveDataLoader": "adaptive.data.dataloader",
+    "AdaptiveDataParallel": "adaptive.parallel.data_parallel",
+    "CheckpointError": "adaptive.checkpoint.store",
+    "CollectiveError": "adaptive.elastic.collectives",
+    "ConstantSchedule": "adaptive.batchsize.rampup",
+    "LinearRampup": "adaptive.batchsize.rampup",
+    "OversizeSampleError": "adaptive.data.tokens.planner",
+    "StagedSchedule": "adaptive.batchsize.rampup",
+    "State": "adaptive.checkpoint.states",
+    "current_epoch": "adaptive.elastic.epoch",
+    "env": "adaptive.elastic.env",
+    "finish_training": "adaptive.elastic.epoch",
+    "finished_epochs": "adaptive.elastic.epoch",
+    "init_process_group": "adaptive.elastic.collectives",
+    "load_state": "adaptive.checkpoint.states",
+    "remaining_epochs_until": "adaptive.elastic.epoch",
+    "request_stop": "adaptive.elastic.sync_points",
+    "save_all_states": "adaptive.checkpoint.states",
+    "training_finished": "adaptive.elastic.epoch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from adaptive.batchsize.rampup import ConstantSchedule, LinearRampup, StagedSchedule
+    from adaptive.checkpoint.states import State, load_state, save_all_states
+    from adaptive.checkpoint.store import CheckpointError
+    from adaptive.data.dataloader import AdaptiveDataLoader
+    from adaptive.data.tokens.planner import OversizeSampleError
+    from adaptive.elastic import env
+    from adaptive.elastic.accumulator import Accumulator
+    from adaptive.elastic.collectives import CollectiveError, init_process_group
+    from adaptive.elastic.epoch import (current_epoch, finish_training, finished_epochs, remaining_epochs_until,
+                                        training_finished)
+    from adaptive.elastic.sync_points import request_stop
+    from adaptive.parallel.data_parallel import AdaptiveDataParallel

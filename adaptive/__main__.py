@@ -1,7 +1,7 @@
-"""``python -m adaptive ...``: the same as the ``adaptive`` console command (see :mod:`adaptive.cli`)."""
+"""``python -m adaptive ...``: the same as the ``adaptive`` console command (see :mod:`adaptive.observe.cli`)."""
 
 import sys
 
-from adaptive.cli import main
+from adaptive.observe.cli import main
 
 sys.exit(main())

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adaptive.checkpoint_store import CheckpointStore  # noqa: E402
+from adaptive.checkpoint.store import CheckpointStore  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -7,7 +7,7 @@ and ``tr(Sigma) = d (|delta|^2 + sigma^2) + |delta|^2``, so the true noise
 scale is ``tr(Sigma) / |G|^2``.
 
 For every (replicas, accumulation steps) cell, ``replicas`` gloo processes
-train a plain DDP model with :class:`adaptive.gns.GradientNoiseScale`
+train a plain DDP model with :class:`adaptive.batchsize.gns.GradientNoiseScale`
 attached exactly as AdaptiveDataParallel does, and the estimate after
 ``--steps`` optimizer steps is compared with the truth (the baseline):
 the table reports estimate / truth for the noise scale, ``|G|^2`` and
@@ -50,7 +50,7 @@ def _problem():
 def _run_cell(ddp_cls, accum: int, steps: int, seed: int, rank: int, world: int, measure: bool) -> dict:
     import torch
 
-    from adaptive.gns import GradientNoiseScale
+    from adaptive.batchsize.gns import GradientNoiseScale
 
     w_star, delta, _, _ = _problem()
     model = torch.nn.Linear(DIM, 1, bias=False)

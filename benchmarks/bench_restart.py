@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
-from adaptive.process_tree import kill_process_tree  # noqa: E402
+from adaptive.elastic.process_tree import kill_process_tree  # noqa: E402
 
 WORKER = HERE / "workers" / "restart_worker.py"
 PHASES = ["detection", "restart", "import torch", "init", "checkpoint load", "first step", "total"]
@@ -71,7 +71,7 @@ def trial(launcher: str, width: int) -> dict:
         env = dict(os.environ, WORKER_OUT=tmp, ADAPTIVE_CHECKPOINT_PATH=str(out / "ckpt"),
                    ADAPTIVE_CHECKPOINT_INTERVAL="1", BENCH_WIDTH=str(width), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        module = "adaptive.launcher" if launcher == "adaptive-run" else "torch.distributed.run"
+        module = "adaptive.elastic.launcher" if launcher == "adaptive-run" else "torch.distributed.run"
         cmd = [sys.executable, "-m", module, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(WORKER)]
         log_path = out / "log.txt"
         with open(log_path, "wb") as log:

@@ -52,7 +52,7 @@ def _peak_rss_bytes() -> int:
 def _worker_ours(n: int) -> dict:
     import numpy as np
 
-    from adaptive.sampler import ElasticSampler, GlobalPermutation
+    from adaptive.data.sampler import ElasticSampler, GlobalPermutation
 
     count = min(STREAM_INDICES, n // REPLICAS)
     base = _rss_bytes()

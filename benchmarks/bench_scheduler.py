@@ -30,12 +30,12 @@ from scheduler.cluster import ClusterSpec  # noqa: E402
 from scheduler.job_info import JobInfo  # noqa: E402
 from scheduler.policies import make_policy  # noqa: E402
 from scheduler.profiles import load_profiles  # noqa: E402
-from scheduler.sim_job import ThroughputModels  # noqa: E402
+from scheduler.sim.job import ThroughputModels  # noqa: E402
 from scheduler.simulate import run_simulation  # noqa: E402
-from scheduler.simulator import SimulationResult  # noqa: E402
+from scheduler.sim.simulator import SimulationResult  # noqa: E402
 from scheduler.speedup import SpeedupFunction  # noqa: E402
 
-from adaptive.goodput import GoodputFunction, GradParams  # noqa: E402
+from adaptive.batchsize.goodput import GoodputFunction, GradParams  # noqa: E402
 
 #: Average JCT (s) published in the Pollux paper, per workload and policy.
 PUBLISHED = {

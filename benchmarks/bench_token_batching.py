@@ -11,7 +11,7 @@ Compared in the same run:
 
 * ``random``: the naive token batcher: fill each micro-batch with the next
   samples of the shuffled stream while the padded size fits the budget;
-* ``grouped``: :class:`adaptive.token_batching.TokenBudgetPlanner` (sort
+* ``grouped``: :class:`adaptive.data.tokens.planner.TokenBudgetPlanner` (sort
   within windows of the shuffled stream, shuffle the micro-batches), for
   several window sizes.
 
@@ -39,8 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from adaptive.sampler import GlobalPermutation  # noqa: E402
-from adaptive.token_batching import TokenBudgetPlanner  # noqa: E402
+from adaptive.data.sampler import GlobalPermutation  # noqa: E402
+from adaptive.data.tokens.planner import TokenBudgetPlanner  # noqa: E402
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
 DEFINITION = re.compile(r"^[ \t]*(?:async[ \t]+def|def|class)[ \t]", re.MULTILINE)

@@ -16,14 +16,14 @@ import subprocess
 import sys
 import time
 
-from adaptive.process_tree import kill_process_tree
+from adaptive.elastic.process_tree import kill_process_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "linear_regression.py")
 
 
 def launch(nproc: int, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "adaptive.launcher", "--standalone", f"--nproc-per-node={nproc}", SCRIPT]
+    cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--standalone", f"--nproc-per-node={nproc}", SCRIPT]
     print(f"\n$ adaptive-run --standalone --nproc-per-node={nproc} {os.path.relpath(SCRIPT)}", flush=True)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -16,7 +16,7 @@ importing ``scheduler`` starts no server machinery.
 from scheduler.cluster import Allocation, ClusterSpec, check_allocations
 from scheduler.job_info import JobInfo, job_info_from_hints
 from scheduler.policies import POLICIES, GoodputPolicy, Policy, TiresiasPolicy, make_policy
-from scheduler.simulator import SimulationResult, Simulator, run_simulation
+from scheduler.sim.simulator import SimulationResult, Simulator, run_simulation
 from scheduler.speedup import SpeedupFunction
 
 __all__ = [

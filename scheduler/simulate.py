@@ -15,11 +15,11 @@ import logging
 import sys
 from typing import List, Optional
 
-from adaptive.atomic_json import write_json_atomic
+from adaptive._utils.files import write_json_atomic
 from scheduler.cluster import ClusterSpec
 from scheduler.policies import POLICIES
 from scheduler.profiles import DEFAULT_TRACES_DIR
-from scheduler.simulator import resolve_workload, run_simulation
+from scheduler.sim.simulator import resolve_workload, run_simulation
 
 __all__ = ["main", "resolve_workload", "run_simulation"]
 

@@ -4,7 +4,7 @@
 goodput on one device``, where "best" lets the job pick its global batch
 size (local batch and accumulation steps) within its limits, as the
 adaptive loader does. Goodput comes from
-:meth:`adaptive.goodput.GoodputFunction.evaluate` (fitted throughput model
+:meth:`adaptive.batchsize.goodput.GoodputFunction.evaluate` (fitted throughput model
 times statistical efficiency).
 
 The policy needs this for every job and replica count each round, so the
@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from adaptive.goodput import GoodputFunction, PerfParams
+from adaptive.batchsize.goodput import GoodputFunction, PerfParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class SpeedupFunction:
     """Memoised speedup table over (num_nodes, num_replicas).
 
     Args:
-        goodput_fn: an ``adaptive.goodput.GoodputFunction`` (anything with
+        goodput_fn: an ``adaptive.batchsize.goodput.GoodputFunction`` (anything with
             its vectorised ``evaluate`` and ``init_batch_size``).
         max_batch_size: the job's largest global batch (default: its
             initial batch, i.e. a fixed batch size).

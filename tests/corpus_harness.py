@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive.checkpoint_store import CheckpointStore
+from adaptive.checkpoint.store import CheckpointStore
 from elastic_harness import REPO, Jobs, tail, wait_for
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class CorpusRun:
         knobs = {"CORPUS_OUT": str(self.out), "CORPUS_LAUNCH": str(index), "ADAPTIVE_CHECKPOINT_INTERVAL": "0",
                  "ADAPTIVE_CHECKPOINT_KEEP": "1000",  # keep every checkpoint a launch resumed, to compare
                  "ADAPTIVE_SHARE_PATH": str(self.out / "share"), "ADAPTIVE_PROGRESS_INTERVAL": "0", **env}
-        cmd = [sys.executable, "-m", "adaptive.launcher", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={max_restarts}", str(self.script.path), *self.script.args]
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / name, "ab") as log:

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from adaptive.checkpoint_store import CheckpointInfo, CheckpointStore
-from adaptive.process_tree import kill_process_tree
+from adaptive.checkpoint.store import CheckpointInfo, CheckpointStore
+from adaptive.elastic.process_tree import kill_process_tree
 from workers.worker_common import state_digest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ class Jobs:
     def launch(self, args: list[str], out: Path, log_name: str, script: Path = WORKER, **extra: str) -> subprocess.Popen:
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / log_name, "ab")
-        cmd = [sys.executable, "-m", "adaptive.launcher", *args, str(script)]
+        cmd = [sys.executable, "-m", "adaptive.elastic.launcher", *args, str(script)]
         proc = subprocess.Popen(cmd, env=self.env(out, **extra), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=str(out))
         self.procs.append(proc)

@@ -24,11 +24,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptive import checkpoint_store as cs
-from adaptive.checkpoint_store import Checkpoint, CheckpointError, CheckpointStore
+from adaptive.checkpoint import store as cs
+from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
-LOGGER = "adaptive.checkpoint_store"
+LOGGER = "adaptive.checkpoint.store"
 
 
 # ------------------------------------------------------------------ helpers
@@ -751,7 +751,7 @@ def test_objects_smuggled_past_validation_are_refused(
 _FORK_SERVER = r"""
 import os, signal, sys, time
 import torch
-from adaptive.checkpoint_store import CheckpointStore
+from adaptive.checkpoint.store import CheckpointStore
 
 ROOT, NUMEL = sys.argv[1], int(sys.argv[2])
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from adaptive import collectives
-from adaptive.process_tree import kill_process_tree
+from adaptive.elastic import collectives
+from adaptive.elastic.process_tree import kill_process_tree
 from elastic_harness import REPO, tail, wait_for
 
 

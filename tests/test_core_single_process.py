@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import adaptive
-from adaptive import env, sync_points
+from adaptive.elastic import env
+from adaptive.elastic import sync_points
 from conftest import restart_process_state
 
 
@@ -235,7 +236,7 @@ def test_finish_training_checkpoints_an_early_end_that_a_relaunch_keeps(job, whe
     trained, loader = _train_until(7, where)
     steps = 10 if where == "after-loop" else 7  # after the loop: the epoch's loop ran to its end (5 steps each)
     assert loader.step == steps and len(trained) == 4 * steps and adaptive.training_finished()
-    latest = adaptive.checkpoint._checkpoint_store().latest()
+    latest = adaptive.checkpoint.states._checkpoint_store().latest()
     assert latest.info.metadata["reason"] == "finished" and latest.info.metadata["training_ended"] is True
     restart_process_state()
     replayed, loader = _train_until(7, where)
@@ -245,7 +246,7 @@ def test_finish_training_checkpoints_an_early_end_that_a_relaunch_keeps(job, whe
 
 def test_break_without_finish_training_warns_and_resumes_from_the_last_checkpoint(job, caplog):
     loader = adaptive.AdaptiveDataLoader(Indices(20), batch_size=4)
-    with caplog.at_level("WARNING", logger="adaptive.epoch"):
+    with caplog.at_level("WARNING", logger="adaptive.elastic.epoch"):
         for _ in adaptive.remaining_epochs_until(3):
             for _ in loader:
                 pass
@@ -301,7 +302,7 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
     AGREEMENT_INTERVAL seconds, at the spacing the slowest replica proposes,
     and a stop is still acted on within two agreements (two replicas faked:
     the other one proposes ``peer`` boundaries; the clock is fake)."""
-    from adaptive import collectives
+    from adaptive.elastic import collectives
 
     clock = {"now": 0.0}
     peer = {"spacing": 1000}
@@ -316,7 +317,7 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
     monkeypatch.setattr(sync_points.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(collectives, "allreduce_max_async", fake_allreduce)
     saved: list[dict] = []
-    monkeypatch.setattr(sync_points.checkpoint, "save_all_states", saved.append)
+    monkeypatch.setattr(sync_points.states, "save_all_states", saved.append)
     step_time = 0.01  # 10 ms steps: 10 boundaries per 0.1 s
     for _ in range(200):
         clock["now"] += step_time

@@ -244,8 +244,8 @@ def image_run_arguments(dockerfile: Path) -> list[tuple[list[str], list[str]]]:
 
 def parser_error(module: str, arguments: list[str]) -> str | None:
     """Why ``python -m module arguments`` would be refused by its argument parser, or None."""
-    if module == "adaptive.launcher":
-        from adaptive.launcher import build_args
+    if module == "adaptive.elastic.launcher":
+        from adaptive.elastic.launcher import build_args
         parse = build_args
     else:
         is_file = REPO.joinpath(*module.split(".")).with_suffix(".py").exists()
@@ -278,7 +278,7 @@ def test_documented_docker_commands_are_accepted(dockerfile, capsys):
         if arguments[:2] in (["python", "-m"], ["python3", "-m"]):
             problems.append(parser_error(arguments[2], arguments[3:]))
         elif entrypoint and entrypoint[-1] == ["adaptive-run"]:
-            problems.append(parser_error("adaptive.launcher", arguments))
+            problems.append(parser_error("adaptive.elastic.launcher", arguments))
     capsys.readouterr()  # argparse's usage messages
     problems = [problem for problem in problems if problem]
     assert not problems, f"{dockerfile.name}: {problems}"

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from adaptive.checkpoint_store import CheckpointStore
-from adaptive.process_tree import kill_process_tree
+from adaptive.checkpoint.store import CheckpointStore
+from adaptive.elastic.process_tree import kill_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
 

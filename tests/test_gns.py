@@ -40,8 +40,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import adaptive
-from adaptive.gns import BatchConfig, GradientNoiseScale, estimate_from_norms
-from adaptive.scaling_rules import AdaScale
+from adaptive.batchsize.gns import BatchConfig, GradientNoiseScale, estimate_from_norms
+from adaptive.batchsize.scaling_rules import AdaScale
 
 D1, D2 = 12, 20
 SIGMA = 1.0

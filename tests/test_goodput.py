@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptive.goodput import (
+from adaptive.batchsize.goodput import (
     GAMMA_MAX,
     GoodputFunction,
     GradParams,
@@ -233,7 +233,7 @@ def test_fit_converges_quickly_with_gamma_at_its_bound():
     """Measured step times that are slower than compute + sync (no overlap at
     all) push gamma against its lower bound; the search must hold it there
     and converge instead of crawling (it used to hit its iteration cap)."""
-    from adaptive import goodput
+    from adaptive.batchsize import goodput
 
     bsz = np.array([10, 14, 20, 28, 40, 57, 80] * 3, dtype=float)
     replicas = np.repeat([1.0, 2.0, 3.0], 7)

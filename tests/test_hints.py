@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from adaptive.atomic_json import read_json, write_json_atomic
-from adaptive.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.hints import HINTS_FILENAME, CurrentConfig, Hints, post_hints, read_hints, write_hints
+from adaptive._utils.files import read_json, write_json_atomic
+from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
+from adaptive.batchsize.hints import HINTS_FILENAME, CurrentConfig, Hints, post_hints, read_hints, write_hints
 
 PERF = {"alpha_c": 0.02, "beta_c": 0.001, "alpha_n": 0.08, "beta_n": 0.01, "alpha_r": 0.03, "beta_r": 0.004,
         "gamma": 2.0}

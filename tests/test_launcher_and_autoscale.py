@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive import launcher
-from adaptive.autoscale import AutoscaleConfig, BatchSizeController
-from adaptive.goodput import GradParams, PerfParams
+from adaptive.elastic import launcher
+from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
+from adaptive.batchsize.goodput import GradParams, PerfParams
 
 
 def test_launcher_adds_rendezvous_defaults_and_user_values_win():
@@ -65,7 +65,7 @@ def test_controller_grows_the_batch_in_measured_steps(job, monkeypatch):
     """Equal step times at two small sizes (fixed costs hide the compute) fit a model
     that predicts free larger batches: the choice stays within GROWTH_LIMIT times the
     largest size measured, and grows again once that size is measured."""
-    import adaptive.autoscale as autoscale
+    import adaptive.batchsize.autoscale as autoscale
 
     monkeypatch.setattr(autoscale, "EVALUATION_BUDGET", 0)  # evaluate at every decision
     config = AutoscaleConfig(32, 4096, (16, 1024), False, adapt_every=1, hysteresis=0.0)
@@ -85,7 +85,7 @@ def test_controller_measures_a_better_size_beyond_those_measured(job, monkeypatc
     """A predicted gain below the hysteresis still moves the batch when the better size
     lies beyond those measured (the model extrapolates there); within the measured
     range it does not."""
-    import adaptive.autoscale as autoscale
+    import adaptive.batchsize.autoscale as autoscale
 
     monkeypatch.setattr(autoscale, "EVALUATION_BUDGET", 0)
     config = AutoscaleConfig(32, 4096, (16, 1024), False, adapt_every=1, hysteresis=0.5)
@@ -108,8 +108,8 @@ def test_controller_measures_a_better_size_beyond_those_measured(job, monkeypatc
 def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monkeypatch, tmp_path):
     """Decisions due every step (adapt_every=1) are evaluated only once 100x the last
     evaluation's duration has passed; the hints file follows the evaluations."""
-    import adaptive.autoscale as autoscale
-    from adaptive import env
+    import adaptive.batchsize.autoscale as autoscale
+    from adaptive.elastic import env
 
     monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))
     clock = {"now": 100.0}

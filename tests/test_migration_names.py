@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import adaptive
-from adaptive import env, hints, metrics
+from adaptive.elastic import env
+from adaptive.batchsize import hints
+from adaptive.observe import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 MIGRATION = REPO / "docs" / "migration-adaptdl.md"
@@ -255,7 +257,7 @@ def test_every_adaptive_name_in_the_migration_doc_exists():
     code = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
     code += re.findall(r"^```.*?^```", text, flags=re.M | re.S)
     names = {match for span in code for match in re.findall(r"\badaptive(?:\.\w+)+", span)}
-    assert {"adaptive.env.tensorboard_path", "adaptive.env.checkpoint_path", "adaptive.hints.read_hints"} <= names
+    assert {"adaptive.env.tensorboard_path", "adaptive.env.checkpoint_path", "adaptive.batchsize.hints.read_hints"} <= names
     missing = []
     for name in sorted(names):
         try:

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import adaptive
-from adaptive import sync_points
-from adaptive.checkpoint import resumed_checkpoint
-from adaptive.checkpoint_store import CheckpointError, CheckpointStore
+from adaptive.elastic import sync_points
+from adaptive.checkpoint.states import resumed_checkpoint
+from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from conftest import Indices, restart_process_state
 
 MODEL_STATE = "adaptive.parallel.model"

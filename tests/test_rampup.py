@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.rampup import (
+from adaptive.batchsize.rampup import (
     ConstantSchedule,
     LinearRampup,
     StagedSchedule,

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import adaptive
-from adaptive import sync_points
-from adaptive.rampup import LinearRampup, StagedSchedule
-from adaptive.sampler import ElasticSampler
-from adaptive.sample_loader import SampleBatching
-from adaptive.step_plan import StepShape, StepSizer
+from adaptive.elastic import sync_points
+from adaptive.batchsize.rampup import LinearRampup, StagedSchedule
+from adaptive.data.sampler import ElasticSampler
+from adaptive.data.sample_batches import SampleBatching
+from adaptive.data.steps import StepShape, StepSizer
 from conftest import Indices, restart_process_state
 
 

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive import cli, report
+from adaptive.observe import cli
+from adaptive.observe import report
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -256,7 +257,7 @@ def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
 
 
 def start(time_, pid, replicas, resumed=None, **fields):
-    """A ``start`` event as adaptive.checkpoint.resumed_checkpoint() writes it (resumed=None: from scratch)."""
+    """A ``start`` event as adaptive.checkpoint.states.resumed_checkpoint() writes it (resumed=None: from scratch)."""
     record = {"time": time_, "pid": pid, "event": "start", "replicas": replicas, "nodes": 1, "resumed": resumed,
               "epoch": None, "step": None, "replicas_before": None}
     record.update(fields)

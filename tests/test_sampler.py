@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.sampler import ElasticSampler, GlobalPermutation, split_evenly
+from adaptive.data.sampler import ElasticSampler, GlobalPermutation, split_evenly
 
 FAST = settings(max_examples=40, deadline=None)
 SLOWER = settings(max_examples=15, deadline=None)
@@ -106,7 +106,7 @@ def test_deterministic_across_instances_and_processes():
     second = GlobalPermutation(123_457, seed=42, epoch=3).take(0, 2000)
     assert np.array_equal(first, second)
     code = (
-        "from adaptive.sampler import GlobalPermutation as G;"
+        "from adaptive.data.sampler import GlobalPermutation as G;"
         "print(G(123457, seed=42, epoch=3).take(0, 2000).tolist());"
         "print(G(500, seed=42, epoch=3).take(0, 500).tolist())"
     )

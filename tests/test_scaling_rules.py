@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from adaptive.gns import BatchConfig
-from adaptive.scaling_rules import (
+from adaptive.batchsize.gns import BatchConfig
+from adaptive.batchsize.scaling_rules import (
     LEGW,
     AdamScale,
     AdaScale,

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.profiles import (DEFAULT_TRACES_DIR, ModelProfile, ModelSettings, canonical_placement,
                                 load_profiles)
-from scheduler.workload import load_workload
+from scheduler.sim.workload import load_workload
 
 
 def write_trace(root, name="toy", placements=None, scalability=None, validation=None):

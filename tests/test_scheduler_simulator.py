@@ -12,8 +12,8 @@ from scheduler.policies import TiresiasPolicy
 from scheduler.profiles import ModelProfile, ModelSettings
 from scheduler.simulate import main as simulate_main
 from scheduler.simulate import run_simulation
-from scheduler.simulator import Simulator
-from scheduler.workload import WorkloadJob
+from scheduler.sim.simulator import Simulator
+from scheduler.sim.workload import WorkloadJob
 from tests.test_scheduler_profiles import write_trace
 
 # A model whose step takes 0.5 s at any batch and whose gain is always 1

@@ -3,16 +3,16 @@
 import numpy as np
 import pytest
 
-from adaptive.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.hints import Hints
+from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
+from adaptive.batchsize.hints import Hints
 from scheduler.cluster import ClusterSpec
 from scheduler.job_info import batch_replica_limit, job_info_from_hints
 from scheduler.policies import GoodputPolicy
 from scheduler.profiles import load_profiles
-from scheduler.sim_job import SimulatedJob, ThroughputModels
-from scheduler.simulator import Simulator
+from scheduler.sim.job import SimulatedJob, ThroughputModels
+from scheduler.sim.simulator import Simulator
 from scheduler.speedup import SpeedupCache, SpeedupFunction, flat_sync_beyond
-from scheduler.workload import WorkloadJob
+from scheduler.sim.workload import WorkloadJob
 
 PERF = PerfParams(alpha_c=0.02, beta_c=0.0006, alpha_n=0.1, beta_n=0.01, alpha_r=0.01, beta_r=0.002, gamma=1.3)
 GRAD = GradParams(sqr=1.0, var=40.0)

@@ -21,8 +21,11 @@ import pytest
 import torch
 
 import adaptive
-from adaptive import checkpoint, collectives, env, sync_points
-from adaptive.checkpoint_store import CheckpointStore
+from adaptive.checkpoint import states
+from adaptive.elastic import collectives
+from adaptive.elastic import env
+from adaptive.elastic import sync_points
+from adaptive.checkpoint.store import CheckpointStore
 from conftest import Indices, restart_process_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +83,7 @@ def test_default_names_count_within_each_epoch_and_leave_with_it(job):
     for _ in adaptive.remaining_epochs_until(2):
         first, second = adaptive.Accumulator(), adaptive.Accumulator()
         loader = adaptive.AdaptiveDataLoader(Indices(4), batch_size=2)
-        names.append([state.name for state in checkpoint.registered_states()])
+        names.append([state.name for state in states.registered_states()])
         list(loader)
     assert outer._state.name == "adaptive.accumulator.0"
     assert "adaptive.accumulator.e0.0@epoch0" in names[0] and "adaptive.accumulator.e0.1@epoch0" in names[0]
@@ -182,18 +185,18 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
     clock = {"now": 1000.0}
     monkeypatch.setattr(env, "num_replicas", lambda: 2)
     monkeypatch.setattr(sync_points.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(states.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(collectives, "allreduce_max_async",
                         lambda values: collectives._Ready(torch.tensor(values, dtype=torch.float64)))
     saves: list[float] = []
 
     def save(metadata=None):
         saves.append(clock["now"])
-        checkpoint._save_count += 1
-        checkpoint._last_save_time = clock["now"]
+        states._save_count += 1
+        states._last_save_time = clock["now"]
         return len(saves)
 
-    monkeypatch.setattr(checkpoint, "save_all_states", save)
+    monkeypatch.setattr(states, "save_all_states", save)
     monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "1")
     sync_points._started = clock["now"]
     for _ in range(400):  # 4 s of 10 ms steps

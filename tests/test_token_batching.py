@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptive.token_batching import (
+from adaptive.data.tokens.planner import (
     MicroBatch,
     OversizeSampleError,
     SampleLengths,
@@ -22,7 +22,7 @@ from adaptive.token_batching import (
     sample_loss_weights,
     step_lr_factor,
 )
-from adaptive.token_batching import _deal  # the dealing rule is checked on a crafted example
+from adaptive.data.tokens.planner import _deal  # the dealing rule is checked on a crafted example
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -390,7 +390,7 @@ def test_oversize_skip_reports_once_even_across_resume(caplog):
     lengths = np.array([5] * 40 + [900] * 3)
     stream = stream_for(43, 0)
     planner = TokenBudgetPlanner(lengths, 20, window_size=43, on_oversize="skip")
-    with caplog.at_level(logging.WARNING, logger="adaptive.token_batching"):
+    with caplog.at_level(logging.WARNING, logger="adaptive.data.tokens.planner"):
         head = plan(planner, stream, limit=2)
     assert planner.num_skipped == 3
     assert sorted(head[0].skipped.tolist()) == [40, 41, 42]
@@ -406,7 +406,7 @@ def test_oversize_skip_reports_once_even_across_resume(caplog):
 
 
 def test_streams_lengths_and_sources_are_interchangeable():
-    from adaptive.sampler import GlobalPermutation
+    from adaptive.data.sampler import GlobalPermutation
 
     table = make_lengths("lognormal", 700, 2, 300)
     permutation = GlobalPermutation(700, seed=3, epoch=1)

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adaptive
-from adaptive import sync_points
-from adaptive.sampler import ElasticSampler
-from adaptive.step_plan import StepShape, StepSizer
-from adaptive.token_batching import OversizeSampleError, SampleLengths
-from adaptive.token_loader import TokenBatching
+from adaptive.elastic import sync_points
+from adaptive.data.sampler import ElasticSampler
+from adaptive.data.steps import StepShape, StepSizer
+from adaptive.data.tokens.planner import OversizeSampleError, SampleLengths
+from adaptive.data.tokens.batching import TokenBatching
 from conftest import restart_process_state
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from adaptive.rampup import StagedSchedule
+from adaptive.batchsize.rampup import StagedSchedule
 from elastic_harness import (REPO, Jobs, assert_exact_counts, assert_resumed, assert_resumed_newest,
                              assert_stopped_gracefully, newest_checkpoint_step, progress, resume_records, tail,
                              wait_exit, wait_for)

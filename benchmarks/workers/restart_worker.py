@@ -33,7 +33,7 @@ for epoch in adaptive.remaining_epochs_until(1000):
         if first is None:
             first = time.time()
             record = {"pid": os.getpid(), "start": T_START, "torch": T_TORCH, "init": T_INIT, "load": T_LOAD,
-                      "first_step": first, "resumed": adaptive.checkpoint.resumed_checkpoint() is not None}
+                      "first_step": first, "resumed": adaptive.checkpoint.states.resumed_checkpoint() is not None}
             with open(os.path.join(OUT, f"timeline.rank{rank}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
         with open(os.path.join(OUT, f"steps.rank{rank}"), "w") as f:

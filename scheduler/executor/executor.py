@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from adaptive.atomic_json import read_json
+from adaptive._utils.files import read_json
 from scheduler.allocator import Allocator
 from scheduler.cluster import Allocation, ClusterSpec
 from scheduler.executor.backend import Assignment, Backend

@@ -2,7 +2,7 @@
 
 A job with ``N`` replicas runs as::
 
-    python -m adaptive.launcher --standalone --nproc-per-node=N <command...>
+    python -m adaptive.elastic.launcher --standalone --nproc-per-node=N <command...>
 
 (the ``adaptive-run`` console command) in its own session, with
 ``ADAPTIVE_JOB_ID``, ``ADAPTIVE_CHECKPOINT_PATH`` and ``ADAPTIVE_SHARE_PATH``
@@ -46,13 +46,13 @@ class LocalBackend(Backend):
     Args:
         log_dir: folder for per-attempt logs.
         launcher: command prefix that takes torchrun's arguments
-            (default: this Python running ``-m adaptive.launcher``).
+            (default: this Python running ``-m adaptive.elastic.launcher``).
         cuda: map slots to ``CUDA_VISIBLE_DEVICES``.
     """
 
     def __init__(self, log_dir: str, launcher: Optional[Sequence[str]] = None, cuda: bool = False):
         self.log_dir = log_dir
-        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "adaptive.launcher"]
+        self.launcher = list(launcher) if launcher else [sys.executable, "-m", "adaptive.elastic.launcher"]
         self.cuda = cuda
 
     def command(self, spec: JobSpec, num_replicas: int) -> List[str]:

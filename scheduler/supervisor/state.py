@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from adaptive.atomic_json import read_json, write_json_atomic
+from adaptive._utils.files import read_json, write_json_atomic
 from scheduler.cluster import Allocation, make_allocation
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class SupervisorState:
         path: JSON file to persist to (``None``: in memory only). Loaded if it
             exists; a corrupt file is an error rather than silently dropped.
         hints_parser: turns a hints dict into a validated object with
-            ``to_dict()`` (default :meth:`adaptive.hints.Hints.from_dict`).
+            ``to_dict()`` (default :meth:`adaptive.batchsize.hints.Hints.from_dict`).
         clock: time source (seconds).
     """
 
@@ -113,7 +113,7 @@ class SupervisorState:
 
     def _parse_hints(self, data: Mapping[str, Any]) -> Any:
         if self._hints_parser is None:
-            from adaptive.hints import Hints  # the job-side format; imported on first use
+            from adaptive.batchsize.hints import Hints  # the job-side format; imported on first use
 
             self._hints_parser = Hints.from_dict
         return self._hints_parser(data)

@@ -147,9 +147,9 @@ def started(models: Mapping[str, Any]) -> None:
     """Call right after building the wrappers (``{name: AdaptiveDataParallel}``, ``name`` as given to it)."""
     if OUT is None:
         return
-    from adaptive import checkpoint
+    from adaptive.checkpoint import states
 
-    resumed = checkpoint.resumed_checkpoint()
+    resumed = states.resumed_checkpoint()
     record = {"attempt": attempt(), "rank": _rank(), "pid": os.getpid(), "world": _world(),
               "resumed": None if resumed is None else resumed.info.seq, "time": time.time()}
     if resumed is not None:

@@ -72,7 +72,7 @@ def record_resume(out, rank, world, model, optimizer, loader) -> None:
     """Append what this process starts from, right after building its model, optimizer and loader:
     the checkpoint it resumed (None on a fresh start), digests of the model's and the optimizer's
     state as applied, and the loader's step.  ``resume.rank<R>.jsonl`` has one line per process."""
-    from adaptive.checkpoint import resumed_checkpoint
+    from adaptive.checkpoint.states import resumed_checkpoint
 
     checkpoint = resumed_checkpoint()
     append_jsonl(os.path.join(out, f"resume.rank{rank}.jsonl"), {
@@ -86,7 +86,7 @@ def record_resume(out, rank, world, model, optimizer, loader) -> None:
 def wait_for_gate(path, what, timeout=240.0) -> None:
     """Block until ``path`` exists (another job's progress, for tests that order two jobs), or
     until this process was asked to stop: then the next step boundary acts on the stop."""
-    from adaptive.sync_points import stop_requested
+    from adaptive.elastic.sync_points import stop_requested
 
     deadline = time.monotonic() + timeout
     while not os.path.exists(path) and not stop_requested():

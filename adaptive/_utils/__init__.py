@@ -1,0 +1,1 @@
+"""Internal helpers shared by the library's layers (not public API)."""

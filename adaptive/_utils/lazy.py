@@ -1,0 +1,40 @@
+"""Names a package exports, imported on first use.
+
+The package faces (``adaptive``, ``adaptive.batchsize``, ...) name classes
+from modules that need torch next to modules that do not. Importing the
+face eagerly would make ``import adaptive.batchsize.goodput`` (the
+scheduler's goodput model) import torch; with :func:`lazy_exports` each
+name's module is imported when the name is first used (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+__all__ = ["lazy_exports"]
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for ``package``.
+
+    Args:
+        package: the package's ``__name__``.
+        exports: public name -> the module that defines it; a name that is
+            the last part of its module's path exports the module itself.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module_name = exports.get(name)
+        if module_name is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(module_name)
+        value = module if module_name.rsplit(".", 1)[-1] == name else getattr(module, name)
+        globals_of_package = importlib.import_module(package).__dict__
+        globals_of_package[name] = value  # later lookups skip __getattr__
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(importlib.import_module(package).__dict__) | set(exports))
+
+    return __getattr__, __dir__

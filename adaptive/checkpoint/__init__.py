@@ -1,0 +1,24 @@
+"""Checkpoints: the state protocol and the verified on-disk store.
+
+:mod:`.states` holds the protocol every checkpointed object follows
+(:class:`State`: ``state_dict``/``load_state_dict`` with a format version)
+and saves all of a job's states together; :mod:`.store` writes and verifies
+checkpoint directories (atomic publication, checksums, keep-K).
+"""
+
+from adaptive._utils.lazy import lazy_exports
+
+_EXPORTS = {
+    "State": "adaptive.checkpoint.states",
+    "save_all_states": "adaptive.checkpoint.states",
+    "load_state": "adaptive.checkpoint.states",
+    "resumed_checkpoint": "adaptive.checkpoint.states",
+    "CheckpointError": "adaptive.checkpoint.store",
+    "CheckpointStore": "adaptive.checkpoint.store",
+    "Checkpoint": "adaptive.checkpoint.store",
+    "CheckpointInfo": "adaptive.checkpoint.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,316 @@
+"""Named pieces of job state that are saved together and restored on restart.
+
+A :class:`State` is anything with ``state_dict()`` / ``load_state_dict()`` and a
+unique name: the model and optimizer (:class:`~adaptive.AdaptiveDataParallel`),
+each data loader's position, the epoch counter, accumulators.  A state
+restores itself from the job's newest complete checkpoint when it is created
+(:func:`load_state`), and :func:`save_all_states` writes all of them at a step
+boundary that every replica agreed on (guarantee G3).
+
+Rules that keep restarts exact:
+
+* every replica creates the same states in the same order;
+* creating and restoring a state is local (guarantee G1b): each replica
+  picks the newest checkpoint that verifies by itself, so objects may be
+  built before ``init_process_group`` and on each rank at different moments.
+  The replicas check that they resumed the same checkpoint at their first
+  agreement (:mod:`adaptive.elastic.sync_points`), where they are in lock-step anyway;
+* ``sync()`` is collective: each replica's state is made whole there (for
+  example, accumulators add up their replicas' pending updates), and only
+  then does rank 0 write;
+* the write is atomic (see :mod:`adaptive.checkpoint.states.store`), so a crash
+  during a save leaves the previous checkpoint as the newest complete one.
+
+States of objects created inside an epoch of ``remaining_epochs_until``
+(accumulators and loaders built in a ``train()`` called every epoch) belong
+to that epoch: their default names count creations within the epoch, their
+checkpoint names carry the epoch, and they leave the checkpoint when the
+epoch ends.  A replay of the epoch creates them in the same order and finds
+them again; another epoch's objects never pick them up.
+
+A job is *resuming* exactly when a complete checkpoint exists; see
+:func:`resumed_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from adaptive.elastic import collectives
+from adaptive.elastic import env
+from adaptive.observe import metrics
+from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, _validate_metadata
+from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatError, upgrade
+
+__all__ = [
+    "State",
+    "save_all_states",
+    "load_state",
+    "resumed_checkpoint",
+    "registered_states",
+    "CheckpointError",
+]
+
+logger = logging.getLogger(__name__)
+
+_registry: dict[str, "State"] = {}
+_store: CheckpointStore | None = None
+_store_root: str | None = None
+_resumed: Checkpoint | None = None
+_resumed_looked_up = False
+_last_save_time: float | None = None
+_save_count = 0
+_epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
+_name_counts: collections.Counter = collections.Counter()  # (kind, epoch scope) -> objects named
+
+
+class State:
+    """Base class of every piece of checkpointed job state.
+
+    Subclasses implement :meth:`state_dict` and :meth:`load_state_dict` with
+    the usual PyTorch meaning: plain containers of tensors, numbers and
+    strings (what ``torch.load(weights_only=True)`` accepts), and may override
+    :meth:`sync` to gather what replicas hold privately before a save.
+
+    The format is versioned: :attr:`version` is the format ``state_dict()``
+    writes (raise it when its keys change) and :attr:`migrations` brings an
+    older saved format one version forward (see
+    :mod:`adaptive.checkpoint.versions`); each checkpoint records the version
+    of every state it holds.
+    """
+
+    #: The format version of what :meth:`state_dict` returns.
+    version: int = 1
+    #: ``{v: f}``: ``f`` turns a saved version-``v`` state into version ``v + 1``.
+    migrations: Migrations = {}
+
+    def __init__(self, name: str, *, scope: int | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"State name must be a non-empty string, got {name!r}")
+        if scope is not None:  # owned by an epoch: only that epoch's replay may restore it
+            name = f"{name}@epoch{scope}"
+        if name in _registry:
+            raise ValueError(
+                f"a State named {name!r} already exists; give each checkpointed object a unique name "
+                "(for example name= on AdaptiveDataLoader)"
+            )
+        self.name = name
+        self.scope = scope
+        _registry[name] = self
+
+    def state_dict(self) -> Any:
+        """This state's content as plain, safely loadable data."""
+        raise NotImplementedError(f"{type(self).__name__} must implement state_dict()")
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore from what :meth:`state_dict` returned."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_state_dict()")
+
+    def sync(self) -> None:
+        """Collective hook called on every replica just before a save."""
+
+    def unregister(self) -> None:
+        """Remove this state from the checkpoint (the object will no longer be saved)."""
+        if _registry.get(self.name) is self:
+            del _registry[self.name]
+
+
+def epoch_scope() -> int | None:
+    """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
+    return _epoch_scope
+
+
+def default_name(kind: str) -> str:
+    """The default name of the next ``kind`` object (an accumulator, a loader).
+
+    Its creation order among the ``kind`` objects created in the same epoch
+    (``"e3.0"``, ``"e3.1"``, ...), or outside epochs (``"0"``, ``"1"``, ...):
+    the same object gets the same name when a restart replays its code.
+    """
+    key = (kind, _epoch_scope)
+    count = _name_counts[key]
+    _name_counts[key] += 1
+    return str(count) if _epoch_scope is None else f"e{_epoch_scope}.{count}"
+
+
+def begin_epoch(epoch: int) -> None:
+    """Objects created from now on belong to ``epoch`` (called by ``remaining_epochs_until``)."""
+    global _epoch_scope
+    _epoch_scope = epoch
+    for key in [key for key in _name_counts if key[1] == epoch]:
+        del _name_counts[key]
+
+
+def end_epoch() -> None:
+    """The epoch is over: its objects leave the checkpoint, and objects are global again."""
+    global _epoch_scope
+    if _epoch_scope is not None:
+        for name in [name for name, state in _registry.items() if state.scope == _epoch_scope]:
+            del _registry[name]
+    _epoch_scope = None
+
+
+def registered_states() -> list[State]:
+    """The states that the next checkpoint will contain, in creation order."""
+    return list(_registry.values())
+
+
+def _checkpoint_store() -> CheckpointStore:
+    global _store, _store_root
+    root = env.checkpoint_path()
+    if _store is None or _store_root != root:
+        _store = CheckpointStore(root, keep=env.checkpoint_keep())
+        _store_root = root
+    return _store
+
+
+def resumed_checkpoint() -> Checkpoint | None:
+    """The checkpoint this process resumed from, or None for a fresh start.
+
+    Each replica chooses the newest checkpoint that verifies by itself, with
+    no communication (so states can be restored before ``init_process_group``
+    and while other ranks wait in a barrier); the replicas compare their
+    choices at their first agreement.
+    """
+    global _resumed, _resumed_looked_up
+    if _resumed_looked_up:
+        return _resumed
+    store = _checkpoint_store()
+    _resumed = store.latest()
+    _resumed_looked_up = True
+    meta = {} if _resumed is None else dict(_resumed.info.metadata or {})
+    metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
+                                  resumed=None if _resumed is None else _resumed.info.seq,
+                                  epoch=meta.get("epoch"), step=meta.get("step"), loader=meta.get("loader"),
+                                  loader_steps=meta.get("loader_steps"), replicas_before=meta.get("replicas"))
+    if _resumed is not None:
+        logger.log(
+            logging.INFO if env.rank() == 0 else logging.DEBUG,
+            "resuming from checkpoint %d in %s (saved at epoch %s, step %s, with %s replicas; now %d replicas)",
+            _resumed.info.seq,
+            store.root,
+            meta.get("epoch"),
+            meta.get("step"),
+            meta.get("replicas"),
+            env.num_replicas(),
+        )
+    return _resumed
+
+
+def resumed_seq() -> int:
+    """The sequence number of the resumed checkpoint, -1 for a fresh start (replicas compare it)."""
+    checkpoint = resumed_checkpoint()
+    return -1 if checkpoint is None else checkpoint.info.seq
+
+
+def load_state(state: State) -> bool:
+    """Restore ``state`` from the resumed checkpoint; True if it was there.
+
+    A state saved in an older format is migrated first (``state.migrations``).
+
+    Raises:
+        CheckpointError: the saved format is newer than this release reads,
+            or cannot be migrated.
+    """
+    checkpoint = resumed_checkpoint()
+    if checkpoint is None or state.name not in checkpoint.names():
+        return False
+    versions = (checkpoint.info.metadata or {}).get("state_versions")
+    saved = UNVERSIONED if versions is None else versions[state.name]  # 0.1 checkpoints record no versions
+    try:
+        content = upgrade(state.name, checkpoint.load(state.name), saved, state.version, state.migrations)
+    except StateFormatError as error:
+        raise CheckpointError(f"checkpoint {checkpoint.info.seq}: {error}") from None
+    state.load_state_dict(content)
+    return True
+
+
+def save_all_states(metadata: dict[str, Any] | None = None) -> int:
+    """Checkpoint every registered state; collective, call on every replica.
+
+    All replicas run each state's ``sync()``, agree that they hold the same
+    set of states, and then rank 0 writes the checkpoint and tells the
+    others how it went.  If a peer died, a collective fails here and nothing
+    is written, so the last complete checkpoint stays the newest.
+
+    Returns:
+        The new checkpoint's sequence number, on every replica.
+
+    Raises:
+        TypeError: ``metadata`` is not a JSON-serialisable mapping with str keys.
+        CheckpointError: on every replica when rank 0 could not write it.
+    """
+    global _last_save_time, _save_count
+    _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
+    states = registered_states()
+    for state in states:
+        state.sync()
+    names = sorted(state.name for state in states)
+    all_names = collectives.allgather_object(names)
+    if any(other != names for other in all_names):
+        raise RuntimeError(
+            "replicas hold different checkpointed objects; every replica must create the same "
+            f"AdaptiveDataLoader/Accumulator/AdaptiveDataParallel objects in the same order: {all_names}"
+        )
+    outcome: tuple[int | None, str | None] = (None, None)
+    if env.rank() == 0:
+        outcome = _write(states, metadata)
+    seq, error = collectives.broadcast_object(outcome)
+    _save_count += 1
+    _last_save_time = time.monotonic()
+    if error is not None:
+        raise CheckpointError(error)
+    return seq
+
+
+def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, str | None]:
+    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, why it failed)."""
+    info = dict(metadata or {})
+    info.setdefault("replicas", env.num_replicas())
+    info.setdefault("nodes", env.num_nodes())
+    prefix = "adaptive.dataloader."
+    info.setdefault("loader_steps", {state.name[len(prefix):]: int(state.step) for state in states
+                                     if state.name.startswith(prefix) and hasattr(state, "step")})
+    info["state_versions"] = {state.name: state.version for state in states}
+    start = time.monotonic()
+    try:
+        saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
+    except Exception as error:  # reported to every replica, which all raise CheckpointError
+        logger.error("checkpoint not saved: %s", error)
+        return None, f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s)", saved.seq, info.get("reason", "requested"),
+                saved.size / 1e6, seconds)
+    metrics.MetricsWriter().event("checkpoint", seq=saved.seq, bytes=saved.size, seconds=seconds,
+                                  reason=info.get("reason"), step=info.get("step"), epoch=info.get("epoch"),
+                                  loader=info.get("loader"))
+    return saved.seq, None
+
+
+def save_count() -> int:
+    """Checkpoints this process has taken part in (equal on every replica at every agreement)."""
+    return _save_count
+
+
+def seconds_since_last_save(now: float | None = None) -> float | None:
+    """Seconds since this process last took part in a save, None if never."""
+    if _last_save_time is None:
+        return None
+    return (time.monotonic() if now is None else now) - _last_save_time
+
+
+def _reset_for_tests() -> None:
+    """Forget registered states and the resumed checkpoint (tests run many jobs in one process)."""
+    global _store, _store_root, _resumed, _resumed_looked_up, _last_save_time, _save_count, _epoch_scope
+    _registry.clear()
+    _name_counts.clear()
+    _epoch_scope = None
+    _save_count = 0
+    _store = None
+    _store_root = None
+    _resumed = None
+    _resumed_looked_up = False
+    _last_save_time = None

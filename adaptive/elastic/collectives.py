@@ -1,0 +1,269 @@
+"""Process-group set-up and collectives on Python objects, all on torch.distributed.
+
+``init_process_group`` reads torchrun's environment (guarantee G1).  Besides the
+training group it creates two small gloo groups on the CPU:
+
+* the *control* group carries object collectives and the per-step agreement
+  on stopping and checkpointing, also when training uses NCCL;
+* the *async* group carries :func:`allreduce_async`, whose operations run in
+  one background thread, in order, so they never interleave with the control
+  group's operations of the main thread.
+
+A peer that dies makes a pending collective fail (gloo notices the closed
+connection at once; a hung peer is caught by ``ADAPTIVE_COLLECTIVE_TIMEOUT``),
+and the failure surfaces as :class:`CollectiveError` rather than a hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import datetime
+import functools
+import logging
+import operator
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from adaptive.elastic import env
+
+__all__ = [
+    "CollectiveError",
+    "init_process_group",
+    "is_initialized",
+    "control_group",
+    "broadcast_object",
+    "allreduce_object",
+    "allreduce_async",
+    "allgather_object",
+    "allreduce_max_async",
+    "barrier",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_control_group: Any = None
+_async_group: Any = None
+_async_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_teardown_registered = False
+_owns_default_group = False
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, hung past the timeout, or the group broke."""
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` (or torch's own) has set up a group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
+    """Initialise torch.distributed from torchrun's environment.
+
+    With no torchrun variables (``python train.py``) this creates a one-process
+    group, so code that expects a group (DDP) works unchanged.  Calling it
+    again is harmless.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or any backend torch knows; default
+            ``"nccl"`` when CUDA is available, else ``"gloo"``.
+        timeout: seconds a collective waits for its peers before failing;
+            default ``ADAPTIVE_COLLECTIVE_TIMEOUT`` (300 s).
+    """
+    global _control_group, _async_group, _owns_default_group
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a backend name such as 'gloo' or 'nccl', got {backend!r}")
+    seconds = env.collective_timeout() if timeout is None else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    delta = datetime.timedelta(seconds=seconds)
+    if not dist.is_initialized():
+        world_size, rank = env.num_replicas(), env.rank()
+        if backend == "nccl" and torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank())
+        if world_size == 1 and env.master_port() is None:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=delta)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
+        logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
+        _owns_default_group = True
+    if _control_group is None:
+        if dist.get_backend() == "gloo":
+            _control_group = dist.group.WORLD
+        else:
+            _control_group = dist.new_group(backend="gloo", timeout=delta)
+        _async_group = dist.new_group(backend="gloo", timeout=delta)
+        _register_teardown()
+
+
+def _register_teardown() -> None:
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_destroy_at_exit)
+        _teardown_registered = True
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the groups this module created while the interpreter is intact.
+
+    Left to interpreter teardown, a gloo group whose last asynchronous
+    operations (the final step agreement, the noise-scale all-reduce) are
+    still in its worker threads can be destroyed in an order that aborts
+    the process ("terminate called without an active exception", SIGABRT),
+    turning a finished or gracefully stopped worker into a failed one.
+    Destroying it here first lets those operations finish. A default group
+    the user created is left to them; only the module's own groups go.
+    """
+    global _control_group, _async_group
+    if not is_initialized():
+        return
+    own = [g for g in (_async_group, _control_group) if g is not None and g is not dist.group.WORLD]
+    try:
+        for group in [None] if _owns_default_group else own:
+            dist.destroy_process_group(group)
+    except Exception:  # best effort: the process is exiting anyway
+        logger.debug("destroying the process groups at exit failed", exc_info=True)
+    _control_group = _async_group = None
+
+
+def _require_group() -> Any:
+    if _control_group is None:
+        if env.num_replicas() > 1:
+            raise RuntimeError(
+                "this job has several replicas (WORLD_SIZE="
+                f"{env.num_replicas()}): call adaptive.init_process_group(backend) before training "
+                "(the first loader step, epoch end or synchronized() block agrees with the other replicas; "
+                "loaders and accumulators may be built before it)"
+            )
+        return None
+    return _control_group
+
+
+def control_group() -> Any:
+    """The gloo group for object collectives, or None with one replica and no group."""
+    return _require_group()
+
+
+def _world_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _wrap_failure(what: str, error: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"{what} failed: a peer replica died, hung for longer than the collective "
+        f"timeout, or the process group broke ({type(error).__name__}: {error})"
+    )
+
+
+def allgather_object(obj: T) -> list[T]:
+    """Every replica's ``obj``, in rank order."""
+    group = _require_group()
+    if _world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * _world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except (RuntimeError, dist.DistError) as error:
+        raise _wrap_failure("allgather_object", error) from error
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` on every replica."""
+    group = _require_group()
+    if _world_size(group) == 1:
+        return obj
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except (RuntimeError, dist.DistError) as error:
+        raise _wrap_failure("broadcast_object", error) from error
+    return box[0]
+
+
+def allreduce_object(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> T:
+    """Combine every replica's ``obj`` with ``reduce_fn`` (in rank order) on all replicas."""
+    return functools.reduce(reduce_fn, allgather_object(obj))
+
+
+def _allreduce_on_async_group(obj: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
+    out: list[Any] = [None] * dist.get_world_size(_async_group)
+    try:
+        dist.all_gather_object(out, obj, group=_async_group)
+    except (RuntimeError, dist.DistError) as error:
+        raise _wrap_failure("allreduce_async", error) from error
+    return functools.reduce(reduce_fn, out)
+
+
+def allreduce_async(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> concurrent.futures.Future:
+    """Like :func:`allreduce_object`, but returns at once with a Future of the result.
+
+    Operations complete in the order they were issued; every replica must issue
+    the same sequence.
+    """
+    global _async_executor
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    group = _require_group()
+    if _world_size(group) == 1:
+        future.set_result(obj)
+        return future
+    if _async_executor is None:
+        _async_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptive-async")
+    return _async_executor.submit(_allreduce_on_async_group, obj, reduce_fn)
+
+
+def barrier() -> None:
+    """Wait until every replica gets here."""
+    group = _require_group()
+    if _world_size(group) == 1:
+        return
+    try:
+        dist.barrier(group=group)
+    except (RuntimeError, dist.DistError) as error:
+        raise _wrap_failure("barrier", error) from error
+
+
+def allreduce_max_async(values: list[float]) -> Any:
+    """Start an element-wise max over replicas of a few flags; returns a waitable.
+
+    The returned object has ``result() -> list[float]``.  Used for the per-step
+    agreement on stopping and checkpointing, which must cost next to nothing.
+    """
+    group = _require_group()
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if _world_size(group) == 1:
+        return _Ready(tensor)
+    try:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    except (RuntimeError, dist.DistError) as error:
+        raise _wrap_failure("step agreement", error) from error
+    return _Pending(work, tensor)
+
+
+class _Ready:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def result(self) -> list[float]:
+        return self._tensor.tolist()
+
+
+class _Pending:
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._tensor = tensor
+
+    def result(self) -> list[float]:
+        try:
+            self._work.wait()
+        except (RuntimeError, dist.DistError) as error:
+            raise _wrap_failure("step agreement", error) from error
+        return self._tensor.tolist()

@@ -1,0 +1,207 @@
+"""The job's environment, read from the variables torchrun sets.
+
+Every function falls back to a single replica when a variable is missing, so
+the same script runs with ``python train.py``, under ``torchrun`` and under the
+project's scheduler (guarantee G1).
+
+A restart is *not* detected from ``TORCHELASTIC_RESTART_COUNT``: that counter is
+per agent and does not move on membership changes.  A job is resuming exactly
+when a checkpoint exists (see :func:`adaptive.checkpoint.states.states.resumed_checkpoint`).
+
+Variables of our own:
+
+``ADAPTIVE_CHECKPOINT_PATH``
+    Directory of the job's checkpoints.  Default ``./.adaptive/<job id>/checkpoints``
+    relative to the working directory, so running the same command again in the
+    same place resumes.  Must be shared by all nodes of a multi-node job.
+``ADAPTIVE_SHARE_PATH``
+    Directory for files the job shares between replicas and restarts (metrics,
+    hints).  Default ``./.adaptive/<job id>/share``.
+``ADAPTIVE_JOB_ID``
+    Name of the job.  Default: the training script's file name without
+    extension (not torchrun's run id: ``--standalone`` makes a new random one
+    on every launch, and "run the same command again" must resume).
+``ADAPTIVE_TENSORBOARD_PATH``
+    Directory for the job's TensorBoard event files (:func:`tensorboard_path`).
+    Default ``<ADAPTIVE_SHARE_PATH>/tensorboard``.
+``ADAPTIVE_CHECKPOINT_INTERVAL``
+    Seconds between periodic checkpoints (fractions allowed, 0 disables).
+``ADAPTIVE_CHECKPOINT_KEEP``
+    How many complete checkpoints to keep (default 2).
+``ADAPTIVE_COLLECTIVE_TIMEOUT``
+    Seconds after which a collective with a dead or stuck peer fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+__all__ = [
+    "rank",
+    "num_replicas",
+    "local_rank",
+    "num_local_replicas",
+    "node_rank",
+    "num_nodes",
+    "master_addr",
+    "master_port",
+    "job_id",
+    "checkpoint_path",
+    "share_path",
+    "tensorboard_path",
+    "checkpoint_interval",
+    "checkpoint_keep",
+    "collective_timeout",
+    "torchelastic_restart_count",
+    "progress_interval",
+    "DEFAULT_CHECKPOINT_INTERVAL",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+]
+
+#: Seconds between periodic checkpoints when ``ADAPTIVE_CHECKPOINT_INTERVAL`` is unset.
+DEFAULT_CHECKPOINT_INTERVAL = 300.0
+#: Seconds a collective may wait for a peer when ``ADAPTIVE_COLLECTIVE_TIMEOUT`` is unset.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+
+def _int_var(name: str, default: int, minimum: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={value} must be >= {minimum}")
+    return value
+
+
+def _float_var(name: str, default: float, minimum: float = 0.0) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number of seconds") from None
+    if not value >= minimum:  # also rejects NaN
+        raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def rank() -> int:
+    """Global rank of this replica (``RANK``), 0 when unset."""
+    return _int_var("RANK", 0)
+
+
+def num_replicas() -> int:
+    """Number of replicas in the job (``WORLD_SIZE``), 1 when unset."""
+    return _int_var("WORLD_SIZE", 1, minimum=1)
+
+
+def local_rank() -> int:
+    """Rank of this replica on its node (``LOCAL_RANK``), 0 when unset."""
+    return _int_var("LOCAL_RANK", 0)
+
+
+def num_local_replicas() -> int:
+    """Replicas on this node (``LOCAL_WORLD_SIZE``), 1 when unset."""
+    return _int_var("LOCAL_WORLD_SIZE", 1, minimum=1)
+
+
+def node_rank() -> int:
+    """Rank of this node among the job's nodes (``GROUP_RANK``), 0 when unset."""
+    return _int_var("GROUP_RANK", 0)
+
+
+def num_nodes() -> int:
+    """Number of nodes (torchrun agents) in the job (``GROUP_WORLD_SIZE``).
+
+    Falls back to ``WORLD_SIZE / LOCAL_WORLD_SIZE`` for launchers that do not
+    set ``GROUP_WORLD_SIZE``.
+    """
+    if os.environ.get("GROUP_WORLD_SIZE"):
+        return _int_var("GROUP_WORLD_SIZE", 1, minimum=1)
+    return max(1, -(-num_replicas() // num_local_replicas()))
+
+
+def master_addr() -> str:
+    """Address of the rank-0 host (``MASTER_ADDR``), ``127.0.0.1`` when unset."""
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def master_port() -> int | None:
+    """Port of the rank-0 store (``MASTER_PORT``), None when unset."""
+    if not os.environ.get("MASTER_PORT"):
+        return None
+    return _int_var("MASTER_PORT", 0, minimum=1)
+
+
+def _script_name() -> str:
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    stem = os.path.splitext(os.path.basename(argv0))[0]
+    if stem in ("", "-c", "-m", "__main__", "ipykernel_launcher"):
+        return "default"
+    return stem
+
+
+def job_id() -> str:
+    """Name of the job: ``ADAPTIVE_JOB_ID``, else the training script's name."""
+    name = os.environ.get("ADAPTIVE_JOB_ID") or _script_name()
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def _job_dir() -> str:
+    return os.path.join(os.getcwd(), ".adaptive", job_id())
+
+
+def checkpoint_path() -> str:
+    """Directory of this job's checkpoints (``ADAPTIVE_CHECKPOINT_PATH`` or the default)."""
+    return os.path.abspath(os.environ.get("ADAPTIVE_CHECKPOINT_PATH") or os.path.join(_job_dir(), "checkpoints"))
+
+
+def share_path() -> str:
+    """Directory for metrics and hints (``ADAPTIVE_SHARE_PATH`` or the default)."""
+    return os.path.abspath(os.environ.get("ADAPTIVE_SHARE_PATH") or os.path.join(_job_dir(), "share"))
+
+
+def tensorboard_path() -> str:
+    """Directory for this job's TensorBoard logs (``ADAPTIVE_TENSORBOARD_PATH``, default ``<share path>/tensorboard``).
+
+    Pass it to ``SummaryWriter`` on rank 0 and run ``tensorboard --logdir``
+    on it.  Like :func:`share_path` it is per job: it replaces AdaptDL's
+    ``os.path.join(os.getenv("ADAPTDL_TENSORBOARD_LOGDIR"), job_id)``.  The
+    folder is not created here (``SummaryWriter`` creates it).
+    """
+    return os.path.abspath(os.environ.get("ADAPTIVE_TENSORBOARD_PATH") or os.path.join(share_path(), "tensorboard"))
+
+
+def checkpoint_interval() -> float:
+    """Seconds between periodic checkpoints; 0 disables them."""
+    return _float_var("ADAPTIVE_CHECKPOINT_INTERVAL", DEFAULT_CHECKPOINT_INTERVAL)
+
+
+def checkpoint_keep() -> int:
+    """How many complete checkpoints are kept on disk."""
+    return _int_var("ADAPTIVE_CHECKPOINT_KEEP", 2, minimum=1)
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for its peers before failing with an error."""
+    value = _float_var("ADAPTIVE_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)
+    if value <= 0:
+        raise ValueError("environment variable ADAPTIVE_COLLECTIVE_TIMEOUT must be > 0 seconds")
+    return value
+
+
+def progress_interval() -> float:
+    """Seconds between progress lines in the log (``ADAPTIVE_PROGRESS_INTERVAL``, default 30; 0 = off)."""
+    return _float_var("ADAPTIVE_PROGRESS_INTERVAL", 30.0)
+
+
+def torchelastic_restart_count() -> int:
+    """torchrun's per-agent restart counter; informational only (see module docstring)."""
+    return _int_var("TORCHELASTIC_RESTART_COUNT", 0)

@@ -1,0 +1,193 @@
+"""Epoch counting that survives restarts.
+
+``for epoch in remaining_epochs_until(30):`` yields the epochs that are not
+finished yet: after a restart in the middle of epoch 7 it starts again at 7,
+and the data loaders of epoch 7 pick up where they stopped.
+
+Replay rule (guarantee G5): after a restart, the code *before* the epoch loop
+runs again, and so does the code inside the current epoch up to the loader
+loop that was interrupted.  Keep that code idempotent (build the model,
+optimizer and loaders, log); loader loops that already finished in the
+current epoch are skipped, and ``Accumulator.synchronized()`` blocks that
+already ran return their saved results.
+
+At the end of every epoch the replicas agree (blocking, once per epoch) on
+whether to stop or checkpoint, so a stop that arrives in code between loops
+is acted on there at the latest.  When the last epoch is finished the loop
+saves a checkpoint (reason ``"finished"``): relaunching a finished job
+trains nothing.
+
+A script that ends training early (a ``--max-steps`` limit) calls
+:func:`finish_training` before it leaves the loop with ``break``: a plain
+``break`` cannot be told apart from an exception unwinding the loop, and a
+crash must never be checkpointed as finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from adaptive.checkpoint import states
+from adaptive.elastic import dataloader_context
+from adaptive.elastic import env
+from adaptive.elastic import sync_points
+
+__all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished"]
+
+logger = logging.getLogger(__name__)
+
+
+class _EpochState(states.State):
+    """The epoch in progress, how many epochs are finished, and whether training was ended early."""
+
+    def __init__(self) -> None:
+        super().__init__("adaptive.epoch")
+        self.current: int | None = None
+        self.finished = 0
+        self.ended = False  # finish_training() was called
+        self.save_pending = False  # ... inside a loader step: its loader saves once the step is committed
+
+    version = 2  # 2 adds "ended" (finish_training)
+    migrations = {1: lambda state: dict(state, ended=False)}
+
+    def state_dict(self) -> dict:
+        return {"current": self.current, "finished": self.finished, "ended": self.ended}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current = state["current"]
+        self.finished = int(state["finished"])
+        self.ended = bool(state["ended"])
+
+
+_state: _EpochState | None = None
+_looping = False
+
+
+def _epoch_state() -> _EpochState:
+    global _state
+    if _state is None or states.registered_states().count(_state) == 0:
+        _state = _EpochState()
+        states.load_state(_state)
+    return _state
+
+
+def current_epoch() -> int | None:
+    """The epoch being trained, or None outside :func:`remaining_epochs_until`."""
+    return _epoch_state().current if _looping else None
+
+
+def finished_epochs() -> int:
+    """How many epochs are complete, counting those before any restart."""
+    return _epoch_state().finished
+
+
+def training_finished() -> bool:
+    """True once :func:`finish_training` was called, in this run or before a restart."""
+    return _epoch_state().ended
+
+
+def finish_training() -> None:
+    """End training here: checkpoint it as finished, so that a relaunch trains nothing.
+
+    Call it on every replica at the same point (it is collective, like a
+    loader ``break``), typically just before leaving the epoch loop early::
+
+        if loader.step >= max_steps:
+            adaptive.finish_training()
+            break
+
+    Afterwards :func:`remaining_epochs_until` yields no further epoch and a
+    loader loop in progress ends at its next step; after a relaunch the epoch
+    loop yields nothing and the code after it runs again on the saved state.
+    Calling it again does nothing.
+    """
+    state = _epoch_state()
+    if state.ended:
+        return
+    state.ended = True
+    if dataloader_context.current_dataloader() is not None:
+        state.save_pending = True  # saved by the loader, after the step in progress counts as taken
+    else:
+        _save_finished(state)
+
+
+def save_pending_finish() -> None:
+    """Write the checkpoint of a :func:`finish_training` called inside a loader step (the loader calls this)."""
+    state = _epoch_state()
+    if state.save_pending:
+        state.save_pending = False
+        _save_finished(state)
+
+
+def remaining_epochs_until(epoch: int) -> Iterator[int]:
+    """Yield the epochs from the first unfinished one up to ``epoch - 1``.
+
+    Args:
+        epoch: the number of epochs to train in total (an epoch index bound,
+            like ``range(epoch)``).
+    """
+    global _looping
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"remaining_epochs_until(epoch) needs a non-negative int, got {epoch!r}")
+    if _looping:
+        raise RuntimeError("remaining_epochs_until loops cannot be nested")
+    state = _epoch_state()
+    sync_points.install_signal_handlers()
+    if state.ended:
+        logger.info("training was ended by finish_training() after %d epochs; nothing left to train",
+                    state.finished)
+    elif state.finished >= epoch:
+        logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
+    _looping = True
+    try:
+        while state.finished < epoch and not state.ended:
+            state.current = state.finished
+            states.begin_epoch(state.current)
+            try:
+                yield state.current
+            except GeneratorExit:
+                _left_early(state, epoch)
+                raise
+            if state.ended:  # finish_training() inside the epoch: it is saved, nothing more to agree on
+                break
+            state.finished = state.current + 1
+            state.current = None
+            states.end_epoch()
+            if state.finished == epoch:
+                _save_finished(state)
+            sync_points.settle(lambda: _epoch_metadata(state))
+    finally:
+        _looping = False
+        states.end_epoch()
+
+
+def _left_early(state: _EpochState, epoch: int) -> None:
+    """The epoch loop was left (``break`` or an exception): say what a relaunch will do."""
+    if state.ended or env.rank() != 0:
+        return
+    logger.warning("the epoch loop was left in epoch %s of %d without finish_training(); no 'finished' "
+                   "checkpoint is written, so a relaunch resumes from the last checkpoint. If this was a "
+                   "deliberate break, call adaptive.finish_training() before it", state.current, epoch)
+
+
+def _save_finished(state: _EpochState) -> None:
+    """Checkpoint the finished job (before the last agreement, which a due checkpoint then skips)."""
+    states.save_all_states(dict(_epoch_metadata(state), reason="finished"))
+    what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
+    logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
+               "%s; checkpointed so that a relaunch trains nothing", what)
+
+
+def _epoch_metadata(state: _EpochState) -> dict:
+    """The position at an epoch boundary (the last loop's step, the next epoch to run), or where training ended."""
+    if state.ended:
+        epoch = state.current if state.current is not None else state.finished
+        return dict(sync_points.last_position(), epoch=epoch, epoch_finished=False, training_ended=True)
+    return dict(sync_points.last_position(), epoch=state.finished, epoch_finished=True)
+
+
+def _reset_for_tests() -> None:
+    global _state, _looping
+    _state = None
+    _looping = False

@@ -1,0 +1,318 @@
+"""Points where all replicas agree to stop and/or checkpoint.
+
+Replicas learn about a stop at different moments: torchrun forwards SIGTERM
+to each worker separately, a scale-up restarts the workers one by one, and
+the periodic-checkpoint clock runs on rank 0 only.  To keep every replica at
+the same step, each replica contributes its flags to a tiny all-reduce (max)
+and all act on the agreed result at the same point.  Agreements happen at:
+
+* **step boundaries** inside an ``AdaptiveDataLoader`` loop
+  (:func:`step_boundary`): the all-reduce runs in the background during the
+  following steps and is acted on at the next agreement boundary.  With
+  several replicas the replicas agree at most every ``AGREEMENT_INTERVAL``
+  seconds: each agreement also settles, from every replica's step rate, how
+  many boundaries pass until the next one.  The spacing starts again at one
+  step in every loop (:func:`restart_spacing`), because a validation loop's
+  steps are much shorter than a training loop's;
+* **settle points** (:func:`settle`), where the agreement blocks: the first
+  boundary of every loop (a stop that arrived between loops is acted on
+  before the loop's first step), the boundary before a loop's last step (a
+  stop known then is acted on *before* that step, so a replay runs the last
+  step again and variables set in the loop's body are bound), and the end
+  of every epoch (:mod:`adaptive.elastic.epoch`).
+
+A stop that arrives during a loop's last step is carried, agreed, to the
+next settle point: the next loop's first boundary or the end of the epoch.
+A stop or a due checkpoint is acted on within about two agreement intervals
+(or two steps, whichever is longer) inside loader loops; plain code between
+loops delays it by its own duration.
+
+A graceful stop (SIGTERM or SIGINT) saves a checkpoint and exits with code
+143, inside torchrun's 30 s shutdown window.  If that checkpoint cannot be
+written the process says why and exits with code 1, and ``adaptive-run``
+reports the failure instead of a clean stop.  A second SIGINT interrupts at
+once.  If a peer died, the agreement itself fails: this replica then exits
+at once *without* writing, so the last complete checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from adaptive.checkpoint import states
+from adaptive.elastic import collectives
+from adaptive.elastic import env
+from adaptive._utils.files import write_json_atomic
+
+__all__ = [
+    "GRACEFUL_EXIT_CODE",
+    "STOP_FAILED_EXIT_CODE",
+    "install_signal_handlers",
+    "request_stop",
+    "stop_requested",
+    "step_boundary",
+    "settle",
+    "restart_spacing",
+    "final_boundary",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Exit status after a graceful stop (128 + SIGTERM), as torchrun expects.
+GRACEFUL_EXIT_CODE = 143
+#: Exit status when a stop was asked for but its checkpoint could not be written.
+STOP_FAILED_EXIT_CODE = 1
+#: Environment variable naming the folder where workers confirm their stop to ``adaptive-run``.
+STOP_STATUS_DIR_VAR = "ADAPTIVE_STOP_STATUS_DIR"
+
+#: Seconds between agreements with several replicas (at least one step apart).
+AGREEMENT_INTERVAL = 0.1
+#: The most step boundaries between two agreements.
+MAX_SPACING = 1000
+
+# Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, and the
+# resumed checkpoint's sequence number and its negation (max and -min: all must be equal).
+_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ = range(5)
+
+_stop_requested = False
+_stop_signal: int | None = None
+_handlers_installed = False
+_previous_handlers: dict[int, Any] = {}
+_pending: Any = None  # the agreement in flight: (waitable, saves done when it was issued)
+_decided = [0.0, 0.0]  # agreed (stop, checkpoint) not yet acted on
+_started = time.monotonic()
+_spacing = 1  # step boundaries from one agreement to the next (agreed by all replicas)
+_countdown = 0  # step boundaries left until the next agreement
+_agreed_at: float | None = None  # when the last agreement started (monotonic)
+_metadata: Callable[[], dict] = dict  # describes the position of the loop in progress
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    global _stop_requested, _stop_signal
+    if _stop_requested and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    _stop_requested = True
+    _stop_signal = signum
+    logger.warning(
+        "received %s: all replicas will stop after the same step, checkpoint and exit",
+        signal.Signals(signum).name,
+    )
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM and SIGINT into a graceful, agreed stop (main thread only)."""
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        _previous_handlers[signum] = signal.signal(signum, _on_signal)
+    _handlers_installed = True
+
+
+def request_stop() -> None:
+    """Ask for a graceful stop from code, as SIGTERM would."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def stop_requested() -> bool:
+    """Whether this replica was asked to stop (not yet agreed with the others)."""
+    return _stop_requested
+
+
+def _checkpoint_due() -> bool:
+    interval = env.checkpoint_interval()
+    if interval <= 0 or env.rank() != 0:
+        return False
+    since = states.seconds_since_last_save()
+    elapsed = time.monotonic() - _started if since is None else since
+    return elapsed >= interval
+
+
+def _proposed_spacing() -> int:
+    """Step boundaries that take about AGREEMENT_INTERVAL at this replica's recent pace."""
+    if _agreed_at is None or env.num_replicas() == 1:
+        return 1
+    per_boundary = (time.monotonic() - _agreed_at) / _spacing
+    if per_boundary <= 0:
+        return MAX_SPACING
+    return max(1, min(MAX_SPACING, round(AGREEMENT_INTERVAL / per_boundary)))
+
+
+def _local_flags() -> list[float]:
+    # The max over replicas of minus the spacing is minus the smallest spacing proposed.
+    seq = float(states.resumed_seq())
+    return [float(_stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq]
+
+
+def _issue() -> tuple[Any, int]:
+    """Start an agreement on this replica's flags now."""
+    return collectives.allreduce_max_async(_local_flags()), states.save_count()
+
+
+def _settle(pending: tuple[Any, int]) -> list[float]:
+    """Wait for an agreement and fold its decision into ``_decided``."""
+    waitable, saves_then = pending
+    try:
+        agreed = waitable.result()
+    except collectives.CollectiveError:
+        logger.error(
+            "a peer replica failed; exiting without writing a checkpoint so that the last "
+            "complete one (in %s) stays the newest",
+            env.checkpoint_path(),
+        )
+        raise
+    if agreed[_SEQ] != -agreed[_NEG_SEQ]:
+        raise states.CheckpointError(
+            "replicas resumed from different checkpoints (sequence numbers "
+            f"{-agreed[_NEG_SEQ]:.0f} to {agreed[_SEQ]:.0f}; -1 is none): every node must see the same "
+            f"ADAPTIVE_CHECKPOINT_PATH ({env.checkpoint_path()}) on shared storage"
+        )
+    _decided[0] = max(_decided[0], agreed[_STOP])
+    if saves_then == states.save_count():  # a flag raised before the last save is already served
+        _decided[1] = max(_decided[1], agreed[_CHECKPOINT])
+    return agreed
+
+
+def _act(metadata: Callable[[], dict]) -> None:
+    """Act on what all replicas agreed: stop (checkpoint, exit 143) or checkpoint."""
+    stop, due = _decided
+    _decided[:] = [0.0, 0.0]
+    if stop > 0:
+        _stop(dict(metadata(), reason="stop"))
+    if due > 0:
+        states.save_all_states(dict(metadata(), reason="periodic"))
+
+
+def _stop(info: dict) -> None:
+    """Save the stop's checkpoint and exit: 143 when it is durable, 1 (saying why) when not."""
+    try:
+        seq = states.save_all_states(info)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}"
+        logger.error("the stop could not write its checkpoint (%s); the job will resume from the last complete "
+                     "checkpoint in %s; exiting with %d", reason, env.checkpoint_path(), STOP_FAILED_EXIT_CODE)
+        _write_stop_status(ok=False, reason=reason)
+        raise SystemExit(STOP_FAILED_EXIT_CODE) from error
+    _write_stop_status(ok=True, seq=seq)
+    logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
+               "stopped gracefully at epoch %s, step %s (checkpoint %s); exiting with %d",
+               info.get("epoch"), info.get("step"), seq, GRACEFUL_EXIT_CODE)
+    raise SystemExit(GRACEFUL_EXIT_CODE)
+
+
+def _stop_status_file() -> str | None:
+    folder = os.environ.get(STOP_STATUS_DIR_VAR)
+    return None if not folder else os.path.join(folder, f"local-rank-{env.local_rank()}.json")
+
+
+def _forget_stop_status() -> None:
+    """A new worker clears what an earlier one on this local rank confirmed."""
+    path = _stop_status_file()
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            logger.debug("could not remove %s: %s", path, error)
+
+
+def _write_stop_status(**status: Any) -> None:
+    """Tell ``adaptive-run`` (when it launched us) how this worker's stop went."""
+    path = _stop_status_file()
+    if path is None:
+        return
+    record = dict(status, rank=env.rank(), pid=os.getpid(), time=time.time())
+    try:
+        write_json_atomic(path, record)
+    except OSError as error:
+        logger.warning("could not confirm the stop to adaptive-run (%s): %s", path, error)
+
+
+def last_position() -> dict:
+    """How the loop that last reached a boundary describes its position (for a manifest)."""
+    return dict(_metadata())
+
+
+def restart_spacing() -> None:
+    """Agree at the next boundary and measure the spacing afresh (a new loop, a new batch size)."""
+    global _spacing, _countdown, _agreed_at
+    _spacing, _countdown, _agreed_at = 1, 0, None
+
+
+def step_boundary(metadata: Callable[[], dict]) -> None:
+    """Call between two steps on every replica; may checkpoint or exit.
+
+    At an agreement boundary, acts on the flags agreed at the previous one
+    (and on any decision carried from a finished loop) and starts agreeing
+    on this one's; other boundaries return at once.  ``metadata`` describes
+    the position for the checkpoint's manifest (epoch, step, ...).
+    """
+    global _pending, _countdown, _spacing, _agreed_at, _metadata
+    _metadata = metadata
+    if _countdown > 1:
+        _countdown -= 1
+        return
+    previous, _pending = _pending, _issue()
+    _agreed_at = time.monotonic()
+    if previous is not None:
+        agreed = _settle(previous)
+        _spacing = max(1, int(-agreed[_SPACING]))
+    _act(metadata)
+    _countdown = _spacing
+
+
+def settle(metadata: Callable[[], dict] | None = None) -> None:
+    """Agree now, blocking, on every replica, and act on the result.
+
+    Used where a stop must not wait: before a loop's first and last steps
+    and at the end of every epoch.  ``metadata`` defaults to the position the
+    last loop described.
+    """
+    global _pending, _countdown
+    previous, _pending, _countdown = _pending, None, 0
+    if previous is not None:
+        _settle(previous)
+    _settle(_issue())
+    _act(metadata or _metadata)
+
+
+def final_boundary(metadata: Callable[[], dict]) -> None:
+    """Call on every replica when a loop has taken its last step.
+
+    The agreement in flight is settled, but a stop it carries is *not* acted
+    on here: the loop is finished, and stopping now would skip the code after
+    the loop on replay.  The decision waits for the next settle point.
+    """
+    global _pending, _metadata
+    _metadata = metadata
+    previous, _pending = _pending, None
+    if previous is not None:
+        _settle(previous)
+    restart_spacing()
+
+
+def _reset_for_tests() -> None:
+    global _stop_requested, _stop_signal, _pending, _started, _handlers_installed, _metadata
+    if _handlers_installed and threading.current_thread() is threading.main_thread():
+        for signum, handler in _previous_handlers.items():
+            signal.signal(signum, handler)
+        _handlers_installed = False
+    _stop_requested = False
+    _stop_signal = None
+    _pending = None
+    _decided[:] = [0.0, 0.0]
+    _metadata = dict
+    _started = time.monotonic()
+    restart_spacing()
+
+
+# A worker that adaptive-run starts forgets, first thing, what an earlier worker on its local
+# rank confirmed: a confirmation in that folder is then always this worker's own.
+_forget_stop_status()
