@@ -35,7 +35,7 @@ _EXPORTS = {
     "CollectiveError": "adaptive.elastic.collectives",
     "ConstantSchedule": "adaptive.batchsize.rampup",
     "LinearRampup": "adaptive.batchsize.rampup",
-    "OversizeSampleError": "adaptive.data.tokens.planner",
+    "OversizeSampleError": "adaptive.data.tokens.lengths",
     "StagedSchedule": "adaptive.batchsize.rampup",
     "State": "adaptive.checkpoint.states",
     "current_epoch": "adaptive.elastic.epoch",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from adaptive.checkpoint.states import State, load_state, save_all_states
     from adaptive.checkpoint.store import CheckpointError
     from adaptive.data.dataloader import AdaptiveDataLoader
-    from adaptive.data.tokens.planner import OversizeSampleError
+    from adaptive.data.tokens.lengths import OversizeSampleError
     from adaptive.elastic import env
     from adaptive.elastic.accumulator import Accumulator
     from adaptive.elastic.collectives import CollectiveError, init_process_group

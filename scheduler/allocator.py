@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Optional
 
 from scheduler.cluster import Allocation, ClusterSpec, check_allocations
 from scheduler.job_info import JobInfo, job_info_from_hints
@@ -49,7 +48,7 @@ class Allocator:
                                    attained_service=record.attained_service,
                                    num_restarts=record.num_restarts)
 
-    def step(self, now: Optional[float] = None) -> Dict[str, Allocation]:
+    def step(self, now: float | None = None) -> dict[str, Allocation]:
         """Decide and record the allocations for the next round."""
         now = time.time() if now is None else now
         records = self.state.jobs()

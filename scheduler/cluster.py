@@ -9,13 +9,14 @@ job holds nothing. Policies return a mapping from job name to allocation;
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Tuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from scheduler.job_info import JobInfo
 
-Allocation = Tuple[int, ...]
+Allocation = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def make_allocation(nodes: Iterable[int]) -> Allocation:
     return tuple(sorted(int(n) for n in nodes))
 
 
-def placement_of(allocation: Allocation) -> Tuple[int, ...]:
+def placement_of(allocation: Allocation) -> tuple[int, ...]:
     """Replicas per used node, in node order: ``(0, 0, 3) -> (2, 1)``."""
     counts = Counter(allocation)
     return tuple(counts[n] for n in sorted(counts))
@@ -52,7 +53,7 @@ def num_nodes_of(allocation: Allocation) -> int:
     return len(set(allocation))
 
 
-def free_gpus(cluster: ClusterSpec, allocations: Mapping[str, Allocation]) -> List[int]:
+def free_gpus(cluster: ClusterSpec, allocations: Mapping[str, Allocation]) -> list[int]:
     """Unallocated GPUs on each node."""
     free = [cluster.gpus_per_node] * cluster.num_nodes
     for alloc in allocations.values():
@@ -77,8 +78,8 @@ def check_allocations(allocations: Mapping[str, Allocation], cluster: ClusterSpe
     unknown = sorted(set(allocations) - set(jobs))
     if unknown:
         raise ValueError(f"allocations for unknown jobs: {unknown}")
-    used: Dict[int, int] = Counter()
-    distributed_on: Dict[int, List[str]] = {}
+    used: dict[int, int] = Counter()
+    distributed_on: dict[int, list[str]] = {}
     for name, alloc in allocations.items():
         job = jobs[name]
         if tuple(alloc) != make_allocation(alloc):

@@ -8,8 +8,9 @@ never knows which of the two is calling it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from scheduler.cluster import Allocation
 from scheduler.speedup import SpeedupCache, SpeedupFunction
@@ -44,8 +45,8 @@ class JobInfo:
     preemptible: bool = True
     attained_service: float = 0.0
     num_restarts: int = 0
-    speedup_fn: Optional[SpeedupFunction] = None
-    profiled_replicas: Optional[int] = None
+    speedup_fn: SpeedupFunction | None = None
+    profiled_replicas: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -59,8 +60,8 @@ class JobInfo:
         return not self.preemptible and bool(current)
 
 
-def batch_replica_limit(max_replicas: int, max_batch_size: Optional[int] = None,
-                        local_bsz_bounds: Optional[Sequence[Optional[int]]] = None) -> int:
+def batch_replica_limit(max_replicas: int, max_batch_size: int | None = None,
+                        local_bsz_bounds: Sequence[int | None] | None = None) -> int:
     """Most replicas a job may use: its own limit, and no more than its
     largest batch can feed with the smallest local batch."""
     limit = max_replicas
@@ -71,11 +72,11 @@ def batch_replica_limit(max_replicas: int, max_batch_size: Optional[int] = None,
 
 
 def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
-                        max_batch_size: Optional[int], local_bsz_bounds: Optional[Sequence[Optional[int]]],
+                        max_batch_size: int | None, local_bsz_bounds: Sequence[int | None] | None,
                         gradient_accumulation: bool, max_profiled_replicas: int,
                         min_replicas: int = 0, max_replicas: int = 64, preemptible: bool = True,
                         attained_service: float = 0.0, num_restarts: int = 0,
-                        speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
+                        speedup_cache: SpeedupCache | None = None) -> JobInfo:
     """A :class:`JobInfo` for a job whose goodput model is ``goodput_fn``
     (``None``: no throughput model yet, so speedup is assumed linear)."""
     limit = batch_replica_limit(max_replicas, max_batch_size, local_bsz_bounds)
@@ -99,7 +100,7 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
 
 def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
                         max_replicas: int = 64, preemptible: bool = True, attained_service: float = 0.0,
-                        num_restarts: int = 0, speedup_cache: Optional[SpeedupCache] = None) -> JobInfo:
+                        num_restarts: int = 0, speedup_cache: SpeedupCache | None = None) -> JobInfo:
     """A :class:`JobInfo` from a job's reported :class:`adaptive.batchsize.hints.Hints`
     (``None`` if it has not reported yet: nothing profiled, no model)."""
     common = dict(submission_time=submission_time, min_replicas=min_replicas, max_replicas=max_replicas,

@@ -21,8 +21,8 @@ import csv
 import logging
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dat
 DEFAULT_TRACES_DIR = os.path.join(DEFAULT_DATA_DIR, "traces")
 DEFAULT_WORKLOADS_DIR = os.path.join(DEFAULT_DATA_DIR, "workloads")
 
-Placement = Tuple[int, ...]
+Placement = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,14 @@ class ModelSettings:
     the measured local batch range for the bounds.
     """
 
-    init_batch_size: Optional[int] = None
-    max_epochs: Optional[int] = None
-    max_local_bsz: Optional[int] = None
+    init_batch_size: int | None = None
+    max_epochs: int | None = None
+    max_local_bsz: int | None = None
 
 
 #: Conventions of the reference simulator (data README; yolov3's micro-batch
 #: is capped at 8 there because larger ones exceed device memory).
-POLLUX_MODELS: Dict[str, ModelSettings] = {
+POLLUX_MODELS: dict[str, ModelSettings] = {
     "bert": ModelSettings(init_batch_size=12, max_epochs=2),
     "cifar10": ModelSettings(init_batch_size=128, max_epochs=100),
     "deepspeech2": ModelSettings(init_batch_size=20, max_epochs=80),
@@ -98,7 +98,7 @@ class _Curve:
     def max_bsz(self) -> float:
         return float(self.bsz[-1])
 
-    def __call__(self, local_bsz: float) -> Tuple[float, float]:
+    def __call__(self, local_bsz: float) -> tuple[float, float]:
         return self._at(self.step, local_bsz), self._at(self.sync, local_bsz)
 
     def _at(self, values: np.ndarray, x: float) -> float:
@@ -114,7 +114,7 @@ class _Curve:
         return float(max(value, 0.5 * values[end]))
 
 
-def _read_csv(path: str, columns: Sequence[str], allow_empty: bool = False) -> List[Dict[str, str]]:
+def _read_csv(path: str, columns: Sequence[str], allow_empty: bool = False) -> list[dict[str, str]]:
     """Rows of a CSV file that must have ``columns`` (and rows unless ``allow_empty``)."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
@@ -146,10 +146,10 @@ class ModelProfile:
         settings: conventions not present in the data (epochs, batch caps).
     """
 
-    def __init__(self, name: str, trace_dir: str, settings: Optional[ModelSettings] = None):
+    def __init__(self, name: str, trace_dir: str, settings: ModelSettings | None = None):
         settings = settings or ModelSettings()
         self.name = name
-        self._step_cache: Dict[Tuple[Placement, float], Tuple[float, float]] = {}
+        self._step_cache: dict[tuple[Placement, float], tuple[float, float]] = {}
         self._placements = self._load_placements(os.path.join(trace_dir, "placements.csv"))
         self._grid = self._build_grid(os.path.join(trace_dir, "scalability.csv"))
         self._validation = self._load_validation(trace_dir)
@@ -170,9 +170,9 @@ class ModelProfile:
 
     # ------------------------------------------------------------------ loading
     @staticmethod
-    def _load_placements(path: str) -> Dict[Placement, _Curve]:
+    def _load_placements(path: str) -> dict[Placement, _Curve]:
         rows = _read_csv(path, ("placement", "local_bsz", "step_time", "sync_time"))
-        grouped: Dict[Placement, List[Tuple[float, float, float]]] = {}
+        grouped: dict[Placement, list[tuple[float, float, float]]] = {}
         for row in rows:
             key = canonical_placement(int(c) for c in row["placement"].strip())
             grouped.setdefault(key, []).append(
@@ -181,9 +181,9 @@ class ModelProfile:
             raise ValueError(f"{path}: no measurement for a single GPU (placement 1)")
         return {k: _Curve(*zip(*v)) for k, v in grouped.items()}
 
-    def _build_grid(self, path: str) -> Dict[Tuple[int, int], _Curve]:
+    def _build_grid(self, path: str) -> dict[tuple[int, int], _Curve]:
         """Curves by (nodes, replicas): placements averaged, plus scalability rows."""
-        points: Dict[Tuple[int, int], Dict[float, List[Tuple[float, float]]]] = {}
+        points: dict[tuple[int, int], dict[float, list[tuple[float, float]]]] = {}
         for placement, curve in self._placements.items():
             key = (len(placement), sum(placement))
             for b, s, y in zip(curve.bsz, curve.step, curve.sync):
@@ -204,7 +204,7 @@ class ModelProfile:
         return grid
 
     @staticmethod
-    def _load_validation(trace_dir: str) -> Dict[int, _Validation]:
+    def _load_validation(trace_dir: str) -> dict[int, _Validation]:
         pattern = re.compile(r"^validation-(\d+)\.csv$")
         runs = {}
         for fname in sorted(os.listdir(trace_dir)):
@@ -222,7 +222,7 @@ class ModelProfile:
         return runs
 
     # --------------------------------------------------------------- throughput
-    def step_time(self, placement: Placement, local_bsz: float) -> Tuple[float, float]:
+    def step_time(self, placement: Placement, local_bsz: float) -> tuple[float, float]:
         """Seconds per optimizer step (one micro-batch) and its sync part.
 
         Args:
@@ -240,7 +240,7 @@ class ModelProfile:
             self._step_cache[key, local_bsz] = cached
         return cached
 
-    def profile_points(self, num_nodes: int, num_replicas: int) -> List[Tuple[int, float, float]]:
+    def profile_points(self, num_nodes: int, num_replicas: int) -> list[tuple[int, float, float]]:
         """``(local_bsz, step_time, sync_time)`` a job would measure on
         ``num_replicas`` replicas over ``num_nodes`` nodes, at the measured
         local batch sizes within the model's bounds (interpolated where that
@@ -256,7 +256,7 @@ class ModelProfile:
             points.append((int(b), step, sync))
         return points
 
-    def _interpolate(self, num_nodes: int, num_replicas: int, local_bsz: float) -> Tuple[float, float]:
+    def _interpolate(self, num_nodes: int, num_replicas: int, local_bsz: float) -> tuple[float, float]:
         node_counts = sorted({n for n, _ in self._grid})
         below = [n for n in node_counts if n <= num_nodes]
         above = [n for n in node_counts if n >= num_nodes]
@@ -276,7 +276,7 @@ class ModelProfile:
         nearest = min(self._grid, key=lambda k: (abs(k[0] - num_nodes) + abs(k[1] - num_replicas), k))
         return self._grid[nearest](local_bsz)
 
-    def _at_nodes(self, num_nodes: int, num_replicas: int, local_bsz: float) -> Optional[Tuple[float, float]]:
+    def _at_nodes(self, num_nodes: int, num_replicas: int, local_bsz: float) -> tuple[float, float] | None:
         """Interpolate over replicas among measurements with ``num_nodes`` nodes."""
         reps = sorted(r for n, r in self._grid if n == num_nodes)
         if not reps or not reps[0] <= num_replicas <= reps[-1]:
@@ -302,7 +302,7 @@ class ModelProfile:
         """Progress at which a job of this model is done."""
         return self.progress_at_epoch(self.max_epochs)
 
-    def grad_stats(self, batch_size: float, epoch: int) -> Tuple[float, float]:
+    def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         """Gradient (sqr, var) during ``epoch`` at total ``batch_size``.
 
         Linear between the two validated batch sizes around ``batch_size``
@@ -339,7 +339,7 @@ class ModelProfile:
 
 
 def load_profiles(traces_dir: str = DEFAULT_TRACES_DIR,
-                  settings: Optional[Mapping[str, ModelSettings]] = None) -> Dict[str, ModelProfile]:
+                  settings: Mapping[str, ModelSettings] | None = None) -> dict[str, ModelProfile]:
     """Load every model folder under ``traces_dir``.
 
     Args:

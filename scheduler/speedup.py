@@ -24,7 +24,8 @@ in the face of uncertainty): the job gets to try, the policy caps how far
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,9 +52,9 @@ class SpeedupFunction:
             (``None``: trust the model everywhere).
     """
 
-    def __init__(self, goodput_fn: Any, max_batch_size: Optional[int] = None,
-                 local_bsz_bounds: Optional[Sequence[Optional[int]]] = None,
-                 gradient_accumulation: bool = False, profiled_replicas: Optional[int] = None):
+    def __init__(self, goodput_fn: Any, max_batch_size: int | None = None,
+                 local_bsz_bounds: Sequence[int | None] | None = None,
+                 gradient_accumulation: bool = False, profiled_replicas: int | None = None):
         self._goodput_fn = goodput_fn
         self._profiled = profiled_replicas
         self._optimistic_fn = (flat_sync_beyond(goodput_fn, profiled_replicas)
@@ -68,7 +69,7 @@ class SpeedupFunction:
         if not 1 <= self._lo <= self._hi:
             raise ValueError(f"local_bsz_bounds must satisfy 1 <= lo <= hi, got {local_bsz_bounds}")
         self._accumulation = bool(gradient_accumulation)
-        self._memo: Dict[Tuple[int, int], float] = {}
+        self._memo: dict[tuple[int, int], float] = {}
         self._base = self._base_goodput()
 
     def _base_goodput(self) -> float:
@@ -149,11 +150,11 @@ class SpeedupCache:
     """
 
     def __init__(self) -> None:
-        self._entries: Dict[str, Tuple[Tuple, SpeedupFunction]] = {}
+        self._entries: dict[str, tuple[tuple, SpeedupFunction]] = {}
 
-    def get(self, job: str, goodput_fn: Any, max_batch_size: Optional[int],
-            local_bsz_bounds: Optional[Sequence[Optional[int]]],
-            gradient_accumulation: bool, profiled_replicas: Optional[int] = None) -> SpeedupFunction:
+    def get(self, job: str, goodput_fn: Any, max_batch_size: int | None,
+            local_bsz_bounds: Sequence[int | None] | None,
+            gradient_accumulation: bool, profiled_replicas: int | None = None) -> SpeedupFunction:
         bounds = tuple(local_bsz_bounds) if local_bsz_bounds is not None else None
         key = (goodput_fn.perf_params, goodput_fn.grad_params, goodput_fn.init_batch_size,
                max_batch_size, bounds, bool(gradient_accumulation), profiled_replicas)

@@ -19,15 +19,9 @@ _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def restart_process_state() -> None:
     """Forget everything a job process holds in memory, as if the process restarted."""
-    from adaptive.checkpoint import states
-    from adaptive.data import dataloader
-    from adaptive.elastic import epoch
-    from adaptive.elastic import sync_points
+    from adaptive.elastic.job import reset_job
 
-    states._reset_for_tests()
-    epoch._reset_for_tests()
-    dataloader._reset_for_tests()
-    sync_points._reset_for_tests()
+    reset_job()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Tests for adaptive.checkpoint_store: atomicity, verification, safe loading."""
+"""Tests for adaptive.checkpoint.store (and its parts): atomicity, verification, safe loading."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adaptive._utils.files import fsync_dir
+from adaptive._utils.text import format_bytes
+from adaptive.checkpoint import _disk, _format, _pruning, _safe_load, _writing
 from adaptive.checkpoint import store as cs
 from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
 
@@ -78,18 +81,18 @@ def newest_dir(root: Path) -> Path:
 
 
 def state_file(directory: Path, name: str) -> Path:
-    manifest = json.loads((directory / cs.MANIFEST_NAME).read_text())
+    manifest = json.loads((directory / _format.MANIFEST_NAME).read_text())
     (entry,) = [e for e in manifest["states"] if e["name"] == name]
     return directory / entry["file"]
 
 
 def rewrite_manifest(directory: Path, mutate: Callable[[dict], None], reseal: bool = True) -> None:
     """Edit a manifest; with ``reseal`` recompute its checksum so it stays self-consistent."""
-    path = directory / cs.MANIFEST_NAME
+    path = directory / _format.MANIFEST_NAME
     body = json.loads(path.read_text())
     mutate(body)
     if reseal:
-        body["checksum"] = cs._manifest_checksum(body)
+        body["checksum"] = _format.manifest_checksum(body)
     path.write_text(json.dumps(body))
 
 
@@ -142,7 +145,7 @@ def test_round_trip_of_nested_states(tmp_path: Path) -> None:
     for name, expected in states.items():
         assert_same(latest.load(name), expected, name)
     assert info.size == sum(p.stat().st_size for p in info.path.glob("*.pt"))
-    assert all(cs._SAFE_FILE.fullmatch(p.name) for p in info.path.iterdir())
+    assert all(_format.SAFE_FILE.fullmatch(p.name) for p in info.path.iterdir())
 
 
 def test_real_module_and_optimizer_state_round_trip(tmp_path: Path) -> None:
@@ -194,7 +197,7 @@ def test_open_a_given_checkpoint(tmp_path: Path) -> None:
     assert_same(load_all(opened), states_for(2))
     with pytest.raises(CheckpointError, match="checkpoint 7 does not exist"):
         store.open(7)
-    _flip_byte(tmp_path / cs._dir_name(1))
+    _flip_byte(tmp_path / _format.dir_name(1))
     with pytest.raises(CheckpointError, match="checkpoint 1 at .* cannot be used: .*sha256"):
         store.open(1)
     for bad, error in ((0, ValueError), (-1, ValueError), ("2", TypeError), (True, TypeError)):
@@ -237,7 +240,7 @@ def test_keep_k_pruning_and_monotonic_sequence(tmp_path: Path) -> None:
     seqs = [store.save(states_for(i)).seq for i in range(7)]
     assert seqs == list(range(1, 8))
     assert [info.seq for info in store.list()] == [5, 6, 7]
-    assert checkpoint_dirs(tmp_path) == [cs._dir_name(s) for s in (5, 6, 7)]
+    assert checkpoint_dirs(tmp_path) == [_format.dir_name(s) for s in (5, 6, 7)]
     latest = store.latest()
     assert latest is not None and latest.info.seq == 7
     assert_same(load_all(latest), states_for(6))
@@ -249,15 +252,15 @@ def test_keep_k_pruning_and_monotonic_sequence(tmp_path: Path) -> None:
 def test_sequence_continues_after_damaged_newest(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=2)
     store.save(states_for(1))
-    (tmp_path / cs._dir_name(5)).mkdir()  # junk with a checkpoint name, no manifest
+    (tmp_path / _format.dir_name(5)).mkdir()  # junk with a checkpoint name, no manifest
     assert store.save(states_for(2)).seq == 6
-    assert checkpoint_dirs(tmp_path) == [cs._dir_name(1), cs._dir_name(6)]  # junk pruned
+    assert checkpoint_dirs(tmp_path) == [_format.dir_name(1), _format.dir_name(6)]  # junk pruned
 
 
 def test_stale_temp_dirs_are_removed_but_live_writers_are_not(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     store.save(states_for(1))
-    host = cs._host_tag()
+    host = _format.host_tag()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     stale = tmp_path / f".tmp-{host}-{dead}-abc123"
@@ -269,7 +272,7 @@ def test_stale_temp_dirs_are_removed_but_live_writers_are_not(tmp_path: Path) ->
     live.mkdir()
     old_live = tmp_path / f".tmp-{host}-{os.getppid()}-0ddba11"
     old_live.mkdir()
-    past = time.time() - 2 * cs._STALE_TEMP_AGE_S
+    past = time.time() - 2 * _pruning.STALE_TEMP_AGE_S
     os.utime(old_live, (past, past))
     assert store.latest() is not None  # readers ignore temp dirs
     store.save(states_for(2))
@@ -287,7 +290,7 @@ def test_unrelated_entries_in_root_are_ignored(tmp_path: Path) -> None:
     latest = store.latest()
     assert latest is not None and latest.info.seq == 3
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["notes.txt", "checkpoint-latest", "checkpoint-12a", "runs", cs._dir_name(3)])
+        ["notes.txt", "checkpoint-latest", "checkpoint-12a", "runs", _format.dir_name(3)])
 
 
 def test_missing_state_name_is_a_key_error(tmp_path: Path) -> None:
@@ -300,11 +303,33 @@ def test_missing_state_name_is_a_key_error(tmp_path: Path) -> None:
 
 
 def test_save_logs_size_and_time(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    """The store's own line is DEBUG: a job's one INFO line per save is adaptive.checkpoint.states'."""
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
         CheckpointStore(tmp_path).save(states_for(1))
     (record,) = [r for r in caplog.records if "saved checkpoint 1" in r.getMessage()]
-    assert record.levelno == logging.INFO
+    assert record.levelno == logging.DEBUG
     assert "B in " in record.getMessage() and " s (" in record.getMessage()
+
+
+def test_a_job_logs_one_info_line_per_checkpoint(job: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """seq, reason, size and seconds in one INFO line per save, pruning included (keep=2, 4 saves)."""
+    from adaptive.checkpoint.states import State, save_all_states
+
+    class Counter(State):
+        def state_dict(self) -> dict[str, Any]:
+            return {"version": 1, "value": 7}
+
+        def load_state_dict(self, state: Any) -> None:
+            pass
+
+    Counter("log-test-counter")
+    with caplog.at_level(logging.DEBUG, logger="adaptive"):
+        seqs = [save_all_states(metadata={"reason": "test"}) for _ in range(4)]
+    lines = [r.getMessage() for r in caplog.records
+             if r.name.startswith("adaptive.checkpoint") and r.levelno >= logging.INFO]
+    assert len(lines) == len(seqs) == 4, lines
+    for seq, line in zip(seqs, lines):
+        assert line.startswith(f"checkpoint {seq} saved (test, ") and " MB in " in line and line.endswith(" s)")
 
 
 class _Opaque:
@@ -395,15 +420,15 @@ class SimulatedCrash(BaseException):
 
 
 WRITE_POINTS: dict[str, tuple[Any, str]] = {
-    "mkdir": (cs, "_make_dir"),
-    "write": (cs._HashingWriter, "write"),
-    "flush": (cs._HashingWriter, "flush"),
-    "fsync": (cs, "_fsync_fd"),
-    "manifest": (cs, "_write_manifest"),
-    "fsync_dir": (cs, "_fsync_dir"),
-    "rename": (cs, "_rename"),
+    "mkdir": (_disk, "make_dir"),
+    "write": (_writing.HashingWriter, "write"),
+    "flush": (_writing.HashingWriter, "flush"),
+    "fsync": (_disk, "fsync_fd"),
+    "manifest": (_writing, "write_manifest"),
+    "fsync_dir": (_disk, "fsync_dir"),
+    "rename": (_disk, "rename"),
     "prune": (cs.CheckpointStore, "_prune"),
-    "remove": (cs, "_remove_tree"),
+    "remove": (_disk, "remove_tree"),
 }
 
 
@@ -491,7 +516,7 @@ def test_failure_is_reported_with_the_underlying_cause(
     def broken(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cs, "_fsync_fd", broken)
+    monkeypatch.setattr(_disk, "fsync_fd", broken)
     with pytest.raises(CheckpointError, match="could not save checkpoint 1.*No space left") as err:
         store.save(states_for(1))
     assert isinstance(err.value.__cause__, OSError)
@@ -510,7 +535,7 @@ def test_disk_full_during_a_large_write_keeps_previous_checkpoint(
             self._file = file
 
         def write(self, data: Any) -> int:
-            if memoryview(data).nbytes >= cs._WRITE_BUFFER:
+            if memoryview(data).nbytes >= _writing.WRITE_BUFFER:
                 raise OSError(28, "No space left on device")
             return self._file.write(data)
 
@@ -523,7 +548,7 @@ def test_disk_full_during_a_large_write_keeps_previous_checkpoint(
         def __exit__(self, *exc: Any) -> None:
             self._file.close()
 
-    monkeypatch.setattr(cs, "open", lambda *a, **k: FullDisk(open(*a, **k)), raising=False)
+    monkeypatch.setattr(_writing, "open", lambda *a, **k: FullDisk(open(*a, **k)), raising=False)
     with pytest.raises(CheckpointError, match="No space left on device"):
         store.save({"model": {"w": torch.zeros(1 << 19)}})
     monkeypatch.undo()
@@ -541,7 +566,7 @@ def test_prune_failure_does_not_fail_the_save(
     def broken(path: Path) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(cs, "_remove_tree", broken)
+    monkeypatch.setattr(_disk, "remove_tree", broken)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         info = store.save(states_for(2))
     assert "could not prune" in caplog.text
@@ -577,11 +602,11 @@ def _replace_with_same_size_torch_file(directory: Path) -> None:
 
 
 def _garbage_manifest(directory: Path) -> None:
-    (directory / cs.MANIFEST_NAME).write_bytes(b"\x00\x01not json{")
+    (directory / _format.MANIFEST_NAME).write_bytes(b"\x00\x01not json{")
 
 
 def _no_manifest(directory: Path) -> None:
-    (directory / cs.MANIFEST_NAME).unlink()
+    (directory / _format.MANIFEST_NAME).unlink()
 
 
 def _edited_manifest(directory: Path) -> None:
@@ -593,7 +618,7 @@ def _unknown_version(directory: Path) -> None:
 
 
 def _foreign_manifest(directory: Path) -> None:
-    (directory / cs.MANIFEST_NAME).write_text(json.dumps({"format": "other-tool", "files": []}))
+    (directory / _format.MANIFEST_NAME).write_text(json.dumps({"format": "other-tool", "files": []}))
 
 
 def _escaping_file_name(directory: Path) -> None:
@@ -642,14 +667,14 @@ def test_damaged_newest_falls_back_to_previous(
     store = CheckpointStore(tmp_path, keep=3)
     for tag in (1, 2):
         store.save(states_for(tag), metadata={"tag": tag})
-    corrupt(tmp_path / cs._dir_name(2))
+    corrupt(tmp_path / _format.dir_name(2))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         latest = store.latest()
     assert latest is not None and latest.info.seq == 1
     assert_same(load_all(latest), states_for(1))
     (warning,) = [r for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert warning.levelno == logging.WARNING
-    assert cs._dir_name(2) in warning.getMessage() and reason in warning.getMessage()
+    assert _format.dir_name(2) in warning.getMessage() and reason in warning.getMessage()
     assert store.save(states_for(3)).seq == 3  # saving goes on past the damage
 
 
@@ -660,13 +685,13 @@ def test_when_nothing_verifies_the_error_lists_every_checkpoint(
     store = CheckpointStore(tmp_path, keep=3)
     store.save(states_for(1))
     store.save(states_for(2))
-    corrupt(tmp_path / cs._dir_name(2))
-    _garbage_manifest(tmp_path / cs._dir_name(1))
+    corrupt(tmp_path / _format.dir_name(2))
+    _garbage_manifest(tmp_path / _format.dir_name(1))
     with pytest.raises(CheckpointError) as err:
         store.latest()
     message = str(err.value)
-    assert cs._dir_name(2) in message and reason in message
-    assert cs._dir_name(1) in message and "not valid JSON" in message
+    assert _format.dir_name(2) in message and reason in message
+    assert _format.dir_name(1) in message and "not valid JSON" in message
     assert "ADAPTIVE_CHECKPOINT_PATH" in message
 
 
@@ -733,7 +758,7 @@ def test_arbitrary_objects_are_refused_without_running_code(
 def test_objects_smuggled_past_validation_are_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "marker"
-    monkeypatch.setattr(cs, "_validate_states", lambda states: list(states.items()))
+    monkeypatch.setattr(_safe_load, "validate_states", lambda states: list(states.items()))
     store = CheckpointStore(tmp_path / "ckpt")
     store.save({"evil": [Malicious(marker)]})
     latest = store.latest()
@@ -847,3 +872,25 @@ def test_sigkill_during_saves_never_exposes_a_partial_checkpoint(
 @pytest.mark.ci_sample
 def test_sigkill_soak(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _kill_trials(tmp_path / "ckpt", kills=150, seed=2, caplog=caplog)
+
+
+# ------------------------------------------------------------ shared helpers
+
+
+@pytest.mark.parametrize(("count", "text"), [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (5 << 20, "5.0 MiB"),
+    (3 << 30, "3.0 GiB"), (5000 << 30, "5000.0 GiB"),
+])
+def test_byte_counts_in_log_lines_read_as_before(count: int, text: str) -> None:
+    assert format_bytes(count) == text
+
+
+def test_fsync_dir_is_strict_for_checkpoints_and_best_effort_for_json(tmp_path: Path) -> None:
+    fsync_dir(tmp_path, strict=True)
+    fsync_dir(tmp_path, strict=False)
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError):
+        fsync_dir(missing, strict=True)
+    fsync_dir(missing, strict=False)  # ignored
+    with pytest.raises(FileNotFoundError):
+        _disk.fsync_dir(missing)  # the store's hook is the strict one

@@ -12,6 +12,7 @@ import pytest
 from adaptive._utils.files import read_json, write_json_atomic
 from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
 from adaptive.batchsize.hints import HINTS_FILENAME, CurrentConfig, Hints, post_hints, read_hints, write_hints
+from adaptive.checkpoint.versions import StateFormatError
 
 PERF = {"alpha_c": 0.02, "beta_c": 0.001, "alpha_n": 0.08, "beta_n": 0.01, "alpha_r": 0.03, "beta_r": 0.004,
         "gamma": 2.0}
@@ -28,11 +29,11 @@ def _valid() -> dict:
 
 
 def test_round_trip_and_types():
-    hints = Hints.from_dict(_valid())
-    assert hints.to_dict() == _valid()
+    hints = Hints.from_state_dict(_valid())
+    assert hints.state_dict() == _valid()
     assert Hints.from_json(hints.to_json()) == hints
     assert list(json.loads(hints.to_json())) == list(_valid())  # field order as in the contract
-    assert hints.perf_params == PerfParams.from_dict(PERF)
+    assert hints.perf_params == PerfParams.from_state_dict(PERF)
     assert hints.local_bsz_bounds == (16, 512)
     assert hints.current.num_replicas == 4 and hints.current["accum_steps"] == 2
     assert dict(hints.current) == _valid()["current"]
@@ -44,10 +45,10 @@ def test_round_trip_and_types():
 def test_nullable_fields():
     data = dict(_valid(), max_batch_size=None, local_bsz_bounds=None, perf_params=None, grad_params=None,
                 current=None, max_profiled_replicas=0, max_profiled_nodes=0)
-    hints = Hints.from_dict(data)
-    assert hints.to_dict() == data
+    hints = Hints.from_state_dict(data)
+    assert hints.state_dict() == data
     assert hints.goodput_function() is None
-    assert Hints.from_dict(dict(_valid(), grad_params=None)).goodput_function() is None
+    assert Hints.from_state_dict(dict(_valid(), grad_params=None)).goodput_function() is None
 
 
 @pytest.mark.parametrize("field,value", [
@@ -60,7 +61,7 @@ def test_nullable_fields():
 ])
 def test_bad_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
-        Hints.from_dict(dict(_valid(), **{field: value}))
+        Hints.from_state_dict(dict(_valid(), **{field: value}))
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -74,24 +75,24 @@ def test_bad_fields_are_named(field, value):
 ])
 def test_bad_nested_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
-        Hints.from_dict(dict(_valid(), **{field: value}))
+        Hints.from_state_dict(dict(_valid(), **{field: value}))
 
 
 def test_unknown_and_missing_keys():
     with pytest.raises(ValueError, match="unknown fields.*'speed'"):
-        Hints.from_dict(dict(_valid(), speed=3))
+        Hints.from_state_dict(dict(_valid(), speed=3))
     data = _valid()
     del data["progress"]
     with pytest.raises(ValueError, match="missing fields.*progress"):
-        Hints.from_dict(data)
+        Hints.from_state_dict(data)
     with pytest.raises(ValueError, match="JSON object"):
-        Hints.from_dict([1, 2])
+        Hints.from_state_dict([1, 2])
     with pytest.raises(ValueError, match="not valid JSON"):
         Hints.from_json("{not json")
 
 
 def test_direct_construction_validates():
-    with pytest.raises(ValueError, match="current"):
+    with pytest.raises(TypeError, match="current"):  # a wrong type (adaptive._utils.checks rule)
         Hints(job_id="j", timestamp=0.0, init_batch_size=8, max_batch_size=None, local_bsz_bounds=None,
               gradient_accumulation=False, perf_params=None, grad_params=None, max_profiled_replicas=1,
               max_profiled_nodes=1, progress=0.0, current={"num_nodes": 1})
@@ -100,21 +101,21 @@ def test_direct_construction_validates():
 
 
 def test_write_is_atomic_and_readable(tmp_path):
-    hints = Hints.from_dict(_valid())
+    hints = Hints.from_state_dict(_valid())
     path = write_hints(hints, tmp_path / "ckpt")
     assert path == tmp_path / "ckpt" / HINTS_FILENAME
     assert read_hints(path) == hints
     assert read_hints(tmp_path / "ckpt") == hints
-    newer = Hints.from_dict(dict(_valid(), progress=400.0))
+    newer = Hints.from_state_dict(dict(_valid(), progress=400.0))
     write_hints(newer, tmp_path / "ckpt")
     assert read_hints(path).progress == 400.0
     assert os.listdir(tmp_path / "ckpt") == [HINTS_FILENAME]  # no temporary files left behind
-    with pytest.raises(ValueError, match="Hints"):
+    with pytest.raises(TypeError, match="Hints"):
         write_hints(_valid(), tmp_path)
 
 
 def test_hints_file_holds_the_posted_bytes(tmp_path):
-    hints = Hints.from_dict(_valid())
+    hints = Hints.from_state_dict(_valid())
     path = write_hints(hints, tmp_path)
     assert path.read_text(encoding="utf-8") == hints.to_json()
 
@@ -151,11 +152,30 @@ def test_post_hints_sends_json():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/v1/jobs/job-1/hints"
-        post_hints(url, Hints.from_dict(_valid()), timeout=10.0, token="secret")
+        post_hints(url, Hints.from_state_dict(_valid()), timeout=10.0, token="secret")
     finally:
         thread.join(timeout=10.0)
         server.server_close()
     assert received == {"path": "/v1/jobs/job-1/hints", "body": _valid(), "type": "application/json",
                         "auth": "Bearer secret"}
     with pytest.raises(ValueError, match="url"):
-        post_hints("ftp://x", Hints.from_dict(_valid()))
+        post_hints("ftp://x", Hints.from_state_dict(_valid()))
+
+
+def test_document_format_versions():
+    """The document keeps its keys and nested layouts (no version inside perf_params,
+    grad_params, current: the document's version covers them); a later format version
+    is refused; a wrong type in a document is a ValueError, in direct use a TypeError."""
+    hints = Hints.from_state_dict(_valid())
+    assert hints.perf_params.state_dict() == {"version": 1, **PERF}
+    assert hints.current.state_dict() == {"version": 1, **_valid()["current"]}
+    assert hints.state_dict()["perf_params"] == PERF and hints.state_dict()["current"] == _valid()["current"]
+    with pytest.raises(StateFormatError, match="version 2"):
+        Hints.from_state_dict(dict(_valid(), version=2))
+    with pytest.raises(StateFormatError, match="version"):
+        Hints.from_state_dict(dict(_valid(), version="1"))
+    with pytest.raises(ValueError, match="init_batch_size"):
+        Hints.from_state_dict(dict(_valid(), init_batch_size="128"))
+    with pytest.raises(TypeError, match="init_batch_size"):
+        Hints(**dict(Hints.from_state_dict(_valid()).__dict__, init_batch_size="128"))
+    assert CurrentConfig.from_state_dict(CurrentConfig(1, 2, 8, 1).state_dict()) == CurrentConfig(1, 2, 8, 1)

@@ -1,4 +1,5 @@
-"""Tests for adaptive.rampup: parsing, Megatron parity, boundaries, resume, autoscale bounds, LR."""
+"""Tests for the ramp-up schedules (adaptive.batchsize.rampup*): parsing, Megatron parity, boundaries,
+resume, autoscale bounds, LR, specs."""
 
 from __future__ import annotations
 
@@ -9,15 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptive.batchsize.rampup import (
-    ConstantSchedule,
-    LinearRampup,
-    StagedSchedule,
-    describe,
-    make_schedule,
-    parse_count,
-    parse_stages,
-)
+from adaptive.batchsize.rampup import ConstantSchedule, LinearRampup, StagedSchedule
+from adaptive.batchsize.rampup_specs import describe, make_schedule
+from adaptive.batchsize.rampup_stages import parse_count, parse_stages
 
 PROPERTY = settings(max_examples=40, deadline=None)
 
@@ -60,7 +55,7 @@ def test_sequence_stages_are_validated_too():
         StagedSchedule([(5, 64)])
     with pytest.raises(ValueError, match="strictly increasing: 10 follows 10"):
         StagedSchedule([(0, 64), (10, 128), (10, 256)])
-    with pytest.raises(ValueError, match=r"size of stage 1 \(at 10\) must be >= 1"):
+    with pytest.raises(ValueError, match=r"size of stage 1 \(at 10\) must be an integer >= 1"):
         StagedSchedule([(0, 64), (10, 0)])
     with pytest.raises(ValueError, match="at least one"):
         StagedSchedule([])
@@ -69,10 +64,10 @@ def test_sequence_stages_are_validated_too():
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
-        ({"start": 0}, ValueError, "start must be >= 1"),
-        ({"increment": 0}, ValueError, "increment must be >= 1"),
-        ({"rampup": 0}, ValueError, "rampup must be >= 1"),
-        ({"target": 16}, ValueError, "target must be >= 32"),
+        ({"start": 0}, ValueError, "start must be an integer >= 1"),
+        ({"increment": 0}, ValueError, "increment must be an integer >= 1"),
+        ({"rampup": 0}, ValueError, "rampup must be an integer >= 1"),
+        ({"target": 16}, ValueError, "target must be an integer >= 32"),
         ({"target": 100}, ValueError, "target - start = 68 must be a multiple of increment = 32"),
         ({"start": 32.0}, TypeError, "start must be an integer"),
         ({"unit": "bytes"}, ValueError, "unit must be one of 'samples', 'tokens'"),
@@ -168,9 +163,9 @@ def test_step_size_caps_a_proposal_at_the_schedule():
     assert schedule.step_size(0, proposed=32) == 32
     assert schedule.step_size(0, proposed=500) == 64
     assert schedule.step_size(90, proposed=500, exact_boundaries=True) == 10
-    with pytest.raises(ValueError, match="proposed must be >= 1"):
+    with pytest.raises(ValueError, match="proposed must be an integer >= 1"):
         schedule.step_size(0, proposed=0)
-    with pytest.raises(ValueError, match="consumed must be >= 0"):
+    with pytest.raises(ValueError, match="consumed must be an integer >= 0"):
         schedule.batch_size_at(-1)
 
 
@@ -192,7 +187,7 @@ def test_resume_mid_ramp_continues_the_schedule_and_reads_each_sample_once(kills
 
     consumed, seen, sizes = 0, [], []
     for steps_before_kill, replicas in kills + [(10**6, 3)]:
-        schedule = make_schedule(json.loads(json.dumps(StagedSchedule(spec).to_config())))
+        schedule = make_schedule(json.loads(json.dumps(StagedSchedule(spec).spec())))
         for _ in range(steps_before_kill):
             if consumed >= total:
                 break
@@ -217,7 +212,7 @@ def test_bounds_schedule_caps_the_autoscaler():
     assert schedule.bounds_at(0, (128, 4096)) == (64, 64)  # early in the ramp the schedule wins
     assert schedule.bounds_at(1000, (128, 4096)) == (128, 512)
     assert schedule.bounds_at(9000, (128, 1024)) == (128, 1024)  # autoscale's own cap is lower
-    with pytest.raises(ValueError, match=r"autoscale_bounds\[1\] must be >= 128"):
+    with pytest.raises(ValueError, match=r"autoscale_bounds\[1\] must be an integer >= 128"):
         schedule.bounds_at(0, (128, 64))
     with pytest.raises(ValueError, match="must be a \\(min, max\\) pair"):
         schedule.bounds_at(0, (1, 2, 3))
@@ -241,7 +236,7 @@ def test_lr_coupling_rules():
 # --------------------------------------------------------------------------- specs
 
 
-def test_make_schedule_specs_and_config_round_trip():
+def test_make_schedule_specs_and_spec_round_trip():
     assert make_schedule(256) == ConstantSchedule(256)
     assert make_schedule("2K") == ConstantSchedule(2000)
     assert make_schedule("0:64 1M:128", unit="tokens") == StagedSchedule(
@@ -252,8 +247,8 @@ def test_make_schedule_specs_and_config_round_trip():
         LinearRampup(16, 16, 1000, 64, "tokens"),
         StagedSchedule("0:1 5:2"),
     ):
-        config = json.loads(json.dumps(schedule.to_config()))
-        assert make_schedule(config) == schedule
+        spec = json.loads(json.dumps(schedule.spec()))
+        assert make_schedule(spec) == schedule
         assert make_schedule(schedule) is schedule
         assert schedule.unit in describe(schedule)
     assert ConstantSchedule(8).rampup_end == 0 and ConstantSchedule(8).next_change(5) is None
@@ -266,8 +261,10 @@ def test_make_schedule_specs_and_config_round_trip():
         (2.5, TypeError, "must be an int, a stages string"),
         (True, TypeError, "must be an int, a stages string"),
         ({"type": "cosine"}, ValueError, "'type' must be one of 'constant', 'linear', 'staged'"),
-        ({"type": "constant", "size": 3}, TypeError, "bad keys for a 'constant' schedule config"),
-        (0, ValueError, "batch_size must be >= 1"),
+        ({"type": "constant", "size": 3}, TypeError, "bad keys for a 'constant' schedule spec"),
+        ({"batch_size": 3}, ValueError, "has no 'type'"),
+        ({"type": 3}, TypeError, "'type' must be one of"),
+        (0, ValueError, "batch_size must be an integer >= 1"),
     ],
 )
 def test_make_schedule_rejects_bad_specs(spec, error, fragment):

@@ -19,8 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adaptive._utils.text import format_duration
 from adaptive.observe import cli
 from adaptive.observe import report
+from adaptive.observe.report import _png, _runs
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -133,7 +135,7 @@ def test_restart_count_and_time_lost_for_any_sequence_of_processes(spans):
             records.append(step(now, pid, len(records) + 1, replicas=replicas))
             if k < count - 1:
                 now += 1.0
-    run = report.Run(path="m.jsonl", processes=tuple(report._split_processes(records, [])))
+    run = report.Run(path="m.jsonl", processes=tuple(_runs._split_processes(records, [])))
     summary = report.summarize(run)
     assert summary.restarts == len(spans) - 1
     assert summary.time_lost == pytest.approx(expected_lost)
@@ -391,8 +393,8 @@ def test_the_picture_marks_progress_lost(tmp_path):
     second = [start(300.0, 22, 1)] + trained(22, 301.0, range(10, 60, 10), lambda s: 0, replicas=1)
     run = report.load_run(str(write_metrics(tmp_path, first + second)))
     summary = report.summarize(run)
-    assert "PROGRESS LOST: 630 steps trained again (1 restart(s) from scratch)" in report._title(run, summary)
-    assert report._loss_label(summary.progress_losses[0]) == "process 2 started from scratch: 630 steps lost"
+    assert "PROGRESS LOST: 630 steps trained again (1 restart(s) from scratch)" in _png._title(run, summary)
+    assert _png._loss_label(summary.progress_losses[0]) == "process 2 started from scratch: 630 steps lost"
     output = report.render_png(run, str(tmp_path / "report.png"), summary)
     assert png_size(Path(output)) == (1400, 1600)
 
@@ -447,3 +449,22 @@ def test_a_start_event_that_names_no_loader_is_not_taken_for_the_training_loader
     assert [(c.before, c.after, c.step) for c in summary.replica_changes] == [(2, 3, 40)]
     (loss,) = summary.progress_losses
     assert (loss.reached_step, loss.resumed_step) == (630, 40)
+
+
+# ---------------------------------------------------------------------- durations
+
+# Outputs of the two formatters this one replaces (report's ``_duration``, the
+# data loader's ETA ``_duration``), recorded before the change.
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.0, "0.0 s"), (59.94, "59.9 s"), (119.9, "119.9 s"), (120.0, "2.0 min"), (7199.0, "120.0 min"),
+    (7200.0, "2.00 h"), (90061.0, "25.02 h"), (-3.0, "-3.0 s"),
+])
+def test_durations_read_as_before(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0, "0:00:00"), (-5, "0:00:00"), (59.9, "0:00:59"), (3661.7, "1:01:01"), (90061, "25:01:01"),
+])
+def test_clock_durations_read_as_the_loader_eta_did(seconds, text):
+    assert format_duration(seconds, clock=True) == text

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from adaptive.batchsize.gns import BatchConfig
+from adaptive.batchsize.noise_estimate import BatchConfig
 from adaptive.batchsize.scaling_rules import (
     LEGW,
     AdamScale,
@@ -20,6 +20,7 @@ from adaptive.batchsize.scaling_rules import (
     default_scaling_rule,
     make_scaling_rule,
 )
+from adaptive.checkpoint.versions import StateFormatError
 
 
 @dataclass
@@ -161,6 +162,26 @@ def test_state_dict_round_trip():
         restored.load_state_dict([1])
 
 
+def test_state_format_versions():
+    """Version 1 carries a version key; release 0.1 wrote the same counters without
+    one (read as version 1); a later format, or a state missing a counter, is refused."""
+    rule = LEGW(4)
+    state = rule.state_dict()
+    assert state == {"version": 1, "name": "legw", "progress": 0.0, "steps": 0, "samples": 0,
+                     "last_factor": 1.0, "last_gain": 1.0, "base_warmup_steps": 4.0}
+    release_01 = {"name": "adascale", "progress": 12.5, "steps": 10, "samples": 640, "last_factor": 1.5,
+                  "last_gain": 1.5}
+    restored = AdaScale()
+    restored.load_state_dict(release_01)
+    assert restored.state_dict() == {"version": 1, **release_01}
+    with pytest.raises(StateFormatError, match="version 2"):
+        restored.load_state_dict(dict(release_01, version=2))
+    with pytest.raises(StateFormatError, match="samples"):
+        restored.load_state_dict({k: v for k, v in release_01.items() if k != "samples"})
+    with pytest.raises(TypeError, match="base_warmup_steps"):
+        LEGW("5")
+
+
 def test_defaults_and_names():
     model = torch.nn.Linear(2, 2)
     assert isinstance(default_scaling_rule(torch.optim.SGD(model.parameters(), lr=0.1)), AdaScale)
@@ -175,6 +196,6 @@ def test_defaults_and_names():
         make_scaling_rule("legw", sgd)
     with pytest.raises(ValueError, match="unknown scaling rule 'cubic'"):
         make_scaling_rule("cubic", sgd)
-    with pytest.raises(ValueError, match="ScalingRule"):
+    with pytest.raises(TypeError, match="ScalingRule"):  # a wrong type (adaptive._utils.checks rule)
         make_scaling_rule(3, sgd)
     assert issubclass(AdaScale, ScalingRule)

@@ -171,7 +171,7 @@ class EchoHints:
             raise ValueError("progress must be a number")
         self.data = dict(data)
 
-    def to_dict(self):
+    def state_dict(self):
         return dict(self.data)
 
 

@@ -25,6 +25,7 @@ from adaptive.checkpoint import states
 from adaptive.elastic import collectives
 from adaptive.elastic import env
 from adaptive.elastic import sync_points
+from adaptive.elastic.job import current_job
 from adaptive.checkpoint.store import CheckpointStore
 from conftest import Indices, restart_process_state
 
@@ -192,13 +193,13 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
 
     def save(metadata=None):
         saves.append(clock["now"])
-        states._save_count += 1
-        states._last_save_time = clock["now"]
+        current_job().checkpoints.save_count += 1
+        current_job().checkpoints.last_save_time = clock["now"]
         return len(saves)
 
     monkeypatch.setattr(states, "save_all_states", save)
     monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "1")
-    sync_points._started = clock["now"]
+    current_job().agreement.started = clock["now"]
     for _ in range(400):  # 4 s of 10 ms steps
         clock["now"] += 0.01
         sync_points.step_boundary(dict)
@@ -223,7 +224,7 @@ def test_building_is_local_even_with_several_replicas_and_no_process_group(job, 
     """The MNIST tutorial builds its loaders before init_process_group; rank 0 may build while others wait."""
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(collectives, "_control_group", None)  # as before init_process_group: any collective fails
+    monkeypatch.setattr(current_job().groups, "control", None)  # as before init_process_group: any collective fails
     loader = adaptive.AdaptiveDataLoader(Indices(8), batch_size=4)
     loader.autoscale_batch_size(8, local_bsz_bounds=(1, 4))
     stats = adaptive.Accumulator()

@@ -1,4 +1,4 @@
-"""Tests for adaptive.token_batching: budgets, lock-step, exact-once resume, weights, LR."""
+"""Tests for the token planner (adaptive.data.tokens): budgets, lock-step, exact-once resume, weights, LR."""
 
 from __future__ import annotations
 
@@ -11,18 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptive.data.tokens.planner import (
-    MicroBatch,
-    OversizeSampleError,
-    SampleLengths,
-    TokenBudgetPlanner,
-    TokenPlanState,
-    TokenStep,
-    loss_weights,
-    sample_loss_weights,
-    step_lr_factor,
-)
-from adaptive.data.tokens.planner import _deal  # the dealing rule is checked on a crafted example
+from adaptive.batchsize.step_lr_rules import step_lr_factor
+from adaptive.checkpoint.versions import StateFormatError
+from adaptive.data.tokens._packing import deal  # the dealing rule is checked on a crafted example
+from adaptive.data.tokens.lengths import OversizeSampleError, SampleLengths
+from adaptive.data.tokens.micro_batches import MicroBatch, TokenStep
+from adaptive.data.tokens.plan_state import TokenPlanState
+from adaptive.data.tokens.planner import TokenBudgetPlanner
+from adaptive.data.weighting import loss_weights, sample_loss_weights
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -206,7 +202,7 @@ def test_deal_balances_padded_tokens_largest_first():
         return MicroBatch(np.array([0]), np.array([tokens]), tokens, tokens, False)
 
     batches = [mb(t) for t in (10, 9, 8, 7, 6, 5, 4, 3)]
-    dealt = _deal(batches, 2)
+    dealt = deal(batches, 2)
     loads = [sum(m.padded_tokens for m in replica) for replica in dealt]
     assert [len(replica) for replica in dealt] == [4, 4]
     assert loads == [26, 26]  # 10+7+6+3 and 9+8+5+4
@@ -364,14 +360,36 @@ def test_state_dict_round_trip_and_validation():
     assert TokenPlanState.from_state_dict(json.loads(json.dumps(saved))) == state
     with pytest.raises(ValueError, match="missing keys \\['window'\\]"):
         TokenPlanState.from_state_dict({k: v for k, v in saved.items() if k != "window"})
-    with pytest.raises(ValueError, match="state\\['batches_done'\\] must be >= 0"):
+    with pytest.raises(ValueError, match="state\\['batches_done'\\] must be an integer >= 0"):
         TokenPlanState.from_state_dict({**saved, "batches_done": -1})
     with pytest.raises(ValueError, match="strictly increasing"):
         TokenPlanState.from_state_dict({**saved, "packed_max_tokens": 21, "excluded": [3, 2]})
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(StateFormatError, match="version"):
         TokenPlanState.from_state_dict({**saved, "version": 99})
     with pytest.raises(TypeError, match="mapping"):
         TokenPlanState.from_state_dict([1, 2])
+
+
+def test_state_saved_by_release_0_1_still_loads():
+    """The exact dict TokenPlanState.state_dict() wrote in release 0.1 (format version 1)."""
+    saved = {
+        "version": 1, "epoch": 2, "window": 3, "batches_done": 4, "packed_max_tokens": 21,
+        "excluded": [0, 5], "steps_done": 9, "samples_done": 40, "tokens_done": 280,
+        "skipped_done": 1, "padding_done": 0, "finished": False, "window_size": 16, "seed": 7,
+        "num_samples": 50,
+    }  # fmt: skip
+    state = TokenPlanState.from_state_dict(saved)
+    assert state == TokenPlanState(2, 3, 4, 21, (0, 5), 9, 40, 280, 1, 0, False, 16, 7, 50)
+    assert state.state_dict() == saved  # the current format is still version 1
+
+
+def test_state_without_a_version_is_refused():
+    saved = TokenPlanState().state_dict()
+    del saved["version"]
+    with pytest.raises(StateFormatError, match="no 'version' key"):
+        TokenPlanState.from_state_dict(saved)
+    with pytest.raises(StateFormatError, match="format version must be an integer"):
+        TokenPlanState.from_state_dict({**TokenPlanState().state_dict(), "version": "1"})
 
 
 # --------------------------------------------------------------------------- oversize samples
@@ -465,10 +483,10 @@ def test_length_table_validation(lengths, error, message):
 
 def test_length_function_and_index_validation():
     bad_value = TokenBudgetPlanner(lambda i: 0 if i == 3 else 4, 16)
-    with pytest.raises(ValueError, match=r"lengths\(3\) returned 0"):
+    with pytest.raises(ValueError, match=r"lengths\(3\) returned must be an integer >= 1, got 0"):
         plan(bad_value, np.arange(5))
     bad_type = TokenBudgetPlanner(lambda i: 2.5, 16)
-    with pytest.raises(TypeError, match=r"lengths\(0\) returned float 2.5"):
+    with pytest.raises(TypeError, match=r"lengths\(0\) returned must be an integer >= 1, got float 2.5"):
         plan(bad_type, np.arange(5))
     out_of_range = TokenBudgetPlanner([3, 3], 16)
     with pytest.raises(IndexError, match="sample index 5 is out of range"):
@@ -478,10 +496,10 @@ def test_length_function_and_index_validation():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1"),
-        ({"num_replicas": 0}, ValueError, "num_replicas must be >= 1"),
+        ({"max_tokens": 0}, ValueError, "max_tokens must be an integer >= 1"),
+        ({"num_replicas": 0}, ValueError, "num_replicas must be an integer >= 1"),
         ({"accumulation_steps": 1.5}, TypeError, "accumulation_steps must be an integer"),
-        ({"window_size": 0}, ValueError, "window_size must be >= 1"),
+        ({"window_size": 0}, ValueError, "window_size must be an integer >= 1"),
         ({"on_oversize": "drop"}, ValueError, "on_oversize must be one of 'error', 'skip'"),
     ],
 )
@@ -585,13 +603,92 @@ def test_padding_micro_batches_get_zero_weight_and_sum_reduction_drops_world_siz
     assert loss_weights(last, loss_reduction="mean")[0, 0] == pytest.approx(4 / 100 * 100)
 
 
+def test_loader_and_planner_weights_are_the_same_rule():
+    """adaptive.data.weighting.loss_weight (loader, any batching) agrees with loss_weights (token steps)."""
+    from adaptive.data.steps import PlannedStep, StepShape
+    from adaptive.data.weighting import loss_weight
+
+    lengths = np.full(5, 100)
+    _, last = plan(TokenBudgetPlanner(lengths, 100, num_replicas=4), np.arange(5))
+    matrix = loss_weights(last, "tokens", "mean")
+    for rank in range(4):
+        local = last.local(rank)
+        planned = PlannedStep(
+            tuple(mb.indices.tolist() for mb in local), tuple(mb.is_padding for mb in local), "tokens",
+            last.num_tokens, last.num_tokens, last.num_samples, last.num_tokens, last.padded_tokens,
+            StepShape(100, 1), None,
+        )  # fmt: skip
+        for m in range(last.num_micro_steps):
+            assert loss_weight(planned, m, last.num_tokens, last.num_replicas) == matrix[rank, m]
+
+
+def test_planning_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    modules = (
+        "adaptive.data.tokens.planner", "adaptive.data.tokens.batching", "adaptive.data.weighting",
+        "adaptive.data.sampler", "adaptive.data.steps", "adaptive.data.sample_batches",
+        "adaptive.batchsize.rampup", "adaptive.batchsize.rampup_specs", "adaptive.batchsize.step_lr_rules",
+    )  # fmt: skip
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_step_lr_factor_rules_and_validation():
     assert step_lr_factor(2000, 1000, "linear") == pytest.approx(2.0)
     assert step_lr_factor(4000, 1000, "sqrt") == pytest.approx(2.0)
     assert step_lr_factor(123, 1000, "none") == 1.0
     with pytest.raises(ValueError, match="rule must be one of 'linear', 'sqrt', 'none'"):
         step_lr_factor(1, 1, "cubic")
-    with pytest.raises(ValueError, match="actual_size must be a positive finite number"):
+    with pytest.raises(ValueError, match="actual_size must be a finite number > 0"):
         step_lr_factor(0, 1000)
-    with pytest.raises(TypeError, match="reference_size must be a positive number"):
+    with pytest.raises(TypeError, match="reference_size must be a number > 0"):
         step_lr_factor(10, "1000")
+
+
+# --------------------------------------------------------------------------- pinned orders
+#
+# Computed by the code before SplitMix64 moved to adaptive._utils.mix: the
+# micro-batch stream of an epoch must never change, or a checkpointed
+# TokenPlanState would point into a different order.
+
+
+def _digest(values) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(values, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
+def test_shuffle_keys_and_order_are_pinned():
+    from adaptive.data.tokens._packing import shuffle_key, shuffle_order
+
+    keys = {
+        (0, 0, 0): 13963009076894779909,
+        (1, 0, 0): 14630955873730480365,
+        (0, 1, 0): 7731136592674158243,
+        (0, 0, 1): 17155153220712016812,
+        (2**64 - 1, 5, 123): 7748227279808967425,
+    }
+    for words, key in keys.items():
+        assert shuffle_key(*words) == key
+    assert shuffle_order(10, shuffle_key(3, 1, 2)).tolist() == [0, 3, 7, 1, 4, 5, 2, 6, 9, 8]
+
+
+@pytest.mark.parametrize(
+    "seed, epoch, window, max_tokens, count, head, digest, sizes_digest",
+    [
+        (0, 0, 512, 400, 411, [2167, 2749, 1973, 1585, 906, 2361], "02f9f694e0e51874", "dbf64ef41ca62b30"),
+        (7, 2, 256, 1000, 174, [2721, 2430, 975, 2200, 260, 454], "491f7ae8ae682d11", "48885a785954f9b4"),
+    ],
+)
+def test_micro_batch_stream_is_pinned(seed, epoch, window, max_tokens, count, head, digest, sizes_digest):
+    from adaptive.data.sampler import GlobalPermutation
+
+    lengths = (np.arange(3000) * 7919 % 97) + 1
+    planner = TokenBudgetPlanner(lengths, max_tokens, 3, 2, window_size=window, seed=seed)
+    stream = GlobalPermutation(3000, seed, epoch)
+    batches = [mb.indices for s in planner.plan_epoch(stream, epoch=epoch) for r in s.micro_batches for mb in r]
+    flat = np.concatenate(batches)
+    assert len(batches) == count and flat[: len(head)].tolist() == head
+    assert _digest(flat) == digest and _digest([b.size for b in batches]) == sizes_digest

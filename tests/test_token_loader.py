@@ -19,7 +19,7 @@ import adaptive
 from adaptive.elastic import sync_points
 from adaptive.data.sampler import ElasticSampler
 from adaptive.data.steps import StepShape, StepSizer
-from adaptive.data.tokens.planner import OversizeSampleError, SampleLengths
+from adaptive.data.tokens.lengths import OversizeSampleError, SampleLengths
 from adaptive.data.tokens.batching import TokenBatching
 from conftest import restart_process_state
 

@@ -1,4 +1,4 @@
-"""Atomic JSON files: a reader sees the old content or the new, never half.
+"""Atomic JSON files, and making a rename durable.
 
 One writer for every small JSON file the project rewrites in place: a
 job's ``hints.json`` (:func:`adaptive.batchsize.hints.write_hints`), the scheduler
@@ -8,6 +8,10 @@ over the target with ``os.replace`` (atomic on POSIX and Windows); the
 folder is fsync'ed afterwards where the platform allows, so the rename
 survives a crash. A failed write removes its temporary file and leaves
 the previous content in place.
+
+:func:`fsync_dir` is the one way the library syncs a folder: best effort
+for these JSON files, strict for checkpoints (:mod:`adaptive.checkpoint.store`),
+which must not claim durability they do not have.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
-__all__ = ["write_json_atomic", "read_json"]
+__all__ = ["write_json_atomic", "read_json", "fsync_dir"]
 
 
-def write_json_atomic(path: Union[str, os.PathLike], data: Any, *, indent: Optional[int] = 1,
+def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | None = 1,
                       sort_keys: bool = True, allow_nan: bool = True) -> Path:
     """Write ``data`` as JSON to ``path`` atomically; returns ``Path(path)``.
 
@@ -44,11 +48,11 @@ def write_json_atomic(path: Union[str, os.PathLike], data: Any, *, indent: Optio
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent, strict=False)
     return Path(path)
 
 
-def read_json(path: Union[str, os.PathLike]) -> Any:
+def read_json(path: str | os.PathLike[str]) -> Any:
     """Parse the JSON file at ``path``; ``ValueError`` naming the file if it is not JSON."""
     with open(path, encoding="utf-8") as handle:
         try:
@@ -57,15 +61,25 @@ def read_json(path: Union[str, os.PathLike]) -> Any:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: not every platform can open a folder)."""
+def fsync_dir(directory: str | os.PathLike[str], *, strict: bool) -> None:
+    """Make entries created or renamed in folder ``directory`` durable.
+
+    Args:
+        directory: the folder whose entries changed.
+        strict: True raises the ``OSError`` when the folder cannot be opened
+            or synced (checkpoints need durability); False ignores it (best
+            effort: not every platform can open a folder).
+    """
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
+        if strict:
+            raise
         return
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if strict:
+            raise
     finally:
         os.close(fd)

@@ -28,7 +28,14 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
         module_name = exports.get(name)
         if module_name is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != "torch" and not (error.name or "").startswith("torch."):
+                raise
+            raise ModuleNotFoundError(f"{package}.{name} needs PyTorch, which is not installed: pip install "
+                                      "torch (the scheduler, the goodput model and the planners work without it)",
+                                      name=error.name) from error
         value = module if module_name.rsplit(".", 1)[-1] == name else getattr(module, name)
         globals_of_package = importlib.import_module(package).__dict__
         globals_of_package[name] = value  # later lookups skip __getattr__

@@ -1,7 +1,9 @@
 """Batch-size control: what batch size, learning rate and replica count to use.
 
-The gradient noise scale (:mod:`.gns`), the goodput model with its fit and
-throughput profile (:mod:`.goodput`), the controller that picks batch sizes
+The gradient noise scale (:mod:`.gns`, its arithmetic in :mod:`.noise_estimate`),
+the goodput model (:mod:`.goodput`), its fit to measured step times
+(:mod:`.throughput_fit`) and the record of those times
+(:mod:`.throughput_profile`), the controller that picks batch sizes
 (:mod:`.autoscale`), learning-rate scaling rules (:mod:`.scaling_rules`,
 :mod:`.step_lr`), ramp-up schedules (:mod:`.rampup`) and the hints a job
 gives the cluster scheduler (:mod:`.hints`).
@@ -14,8 +16,8 @@ _EXPORTS = {
     "GoodputFunction": "adaptive.batchsize.goodput",
     "GradParams": "adaptive.batchsize.goodput",
     "PerfParams": "adaptive.batchsize.goodput",
-    "ThroughputProfile": "adaptive.batchsize.goodput",
-    "fit_perf_params": "adaptive.batchsize.goodput",
+    "ThroughputProfile": "adaptive.batchsize.throughput_profile",
+    "fit_perf_params": "adaptive.batchsize.throughput_fit",
     "AutoscaleConfig": "adaptive.batchsize.autoscale",
     "BatchSizeController": "adaptive.batchsize.autoscale",
     "ScalingRule": "adaptive.batchsize.scaling_rules",

@@ -2,7 +2,7 @@
 
 The policy (Pollux): goodput = throughput x statistical efficiency.  The
 throughput model is fitted to the step times this job measured
-(:class:`~adaptive.batchsize.goodput.ThroughputProfile`); the efficiency follows from
+(:class:`~adaptive.batchsize.throughput_profile.ThroughputProfile`); the efficiency follows from
 the gradient noise scale measured by :class:`~adaptive.batchsize.gns.GradientNoiseScale`.
 Every ``adapt_every`` optimizer steps rank 0 picks the configuration that
 maximises goodput within the user's bounds and broadcasts it; all replicas
@@ -27,11 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive.checkpoint import states
 from adaptive.elastic import collectives
 from adaptive.elastic import env
-from adaptive.batchsize.goodput import GoodputFunction, PerfParams, ThroughputProfile
+from adaptive.batchsize.goodput import GoodputFunction, PerfParams
 from adaptive.batchsize.hints import CurrentConfig, Hints, post_hints, write_hints
+from adaptive.batchsize.throughput_profile import ThroughputProfile
 
 __all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
 
@@ -64,15 +66,17 @@ class AutoscaleConfig:
     hysteresis: float = 0.05
 
     def __post_init__(self) -> None:
-        lo, hi = self.local_bsz_bounds
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise ValueError(f"local_bsz_bounds must be two ints 1 <= lo <= hi, got {self.local_bsz_bounds!r}")
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < self.init_batch_size:
-            raise ValueError(f"max_batch_size must be an int >= batch_size ({self.init_batch_size}), "
-                             f"got {self.max_batch_size!r}")
-        if not isinstance(self.adapt_every, int) or self.adapt_every < 1:
-            raise ValueError(f"adapt_every must be an int >= 1 (optimizer steps), got {self.adapt_every!r}")
-        if not (isinstance(self.hysteresis, (int, float)) and 0 <= self.hysteresis < 1):
+        check_int("init_batch_size", self.init_batch_size, 1)
+        bounds = self.local_bsz_bounds
+        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+            raise TypeError(f"local_bsz_bounds must be two ints (lo, hi), got {bounds!r}")
+        lo = check_int("local_bsz_bounds[0]", bounds[0], 1)
+        check_int("local_bsz_bounds[1]", bounds[1], lo, hint=" (local_bsz_bounds must have lo <= hi)")
+        check_int("max_batch_size", self.max_batch_size, self.init_batch_size,
+                  hint=f" (it cannot be below batch_size, {self.init_batch_size})")
+        check_int("adapt_every", self.adapt_every, 1, hint=" (optimizer steps)")
+        check_bool("gradient_accumulation", self.gradient_accumulation)
+        if check_float("hysteresis", self.hysteresis, 0.0) >= 1.0:
             raise ValueError(f"hysteresis must be a fraction in [0, 1), got {self.hysteresis!r}")
 
 
@@ -100,12 +104,13 @@ class _AutoscaleState(states.State):
 
     def state_dict(self) -> dict:
         return {"profile": self.profile.state_dict(),
-                "perf_params": None if self.perf_params is None else self.perf_params.to_dict(),
+                "perf_params": None if self.perf_params is None else self.perf_params.state_dict(),
                 "local_bsz": self.local_bsz, "accum_steps": self.accum_steps, "replicas": self.replicas}
 
     def load_state_dict(self, state: dict) -> None:
         self.profile.load_state_dict(state["profile"])
-        self.perf_params = None if state["perf_params"] is None else PerfParams.from_dict(state["perf_params"])
+        # perf_params: release 0.1 saved the seven fields without a version (read as version 1).
+        self.perf_params = None if state["perf_params"] is None else PerfParams.from_state_dict(state["perf_params"])
         self.local_bsz = state["local_bsz"]
         self.accum_steps = int(state["accum_steps"])
         self.replicas = state["replicas"]

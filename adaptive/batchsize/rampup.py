@@ -50,119 +50,39 @@ to the schedule's size but never more; the schedule never forces a size the
 autoscaler does not want, except that early in the ramp the schedule's size
 wins over a larger lower bound ``lo``. Once the ramp is over the cap is the
 final size, so set the final size to the largest batch autoscale may use.
+
+Where things are
+----------------
+This module is the schedules. Their textual stages (``"0:64 200K:128"``)
+are parsed in :mod:`adaptive.batchsize.rampup_stages`; building a schedule
+from what a user passes as ``batch_size_schedule=`` (an int, a string, a
+:meth:`BatchSizeSchedule.spec` mapping) is
+:func:`adaptive.batchsize.rampup_specs.make_schedule`.
 """
 
 from __future__ import annotations
 
 import abc
-import inspect
-import logging
-import re
-from collections.abc import Iterator, Mapping, Sequence
-from decimal import Decimal, InvalidOperation
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from adaptive.data.tokens.planner import LR_RULES, _check_choice, _check_int, step_lr_factor
-
-logger = logging.getLogger(__name__)
+from adaptive._utils.checks import check_choice, check_int
+from adaptive.batchsize.rampup_stages import check_stages, parse_stages
+from adaptive.batchsize.step_lr_rules import LR_RULES, step_lr_factor
 
 __all__ = [
     "BatchSizeSchedule",
     "ConstantSchedule",
+    "LR_REFERENCES",
     "LinearRampup",
     "StagedSchedule",
     "UNITS",
-    "describe",
-    "make_schedule",
-    "parse_count",
-    "parse_stages",
 ]
 
+#: What ``consumed`` and the sizes of a schedule count.
 UNITS = ("samples", "tokens")
+#: Which size :meth:`BatchSizeSchedule.lr_factor` is relative to.
 LR_REFERENCES = ("final", "initial")
-_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
-_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([KMG]?)$", re.IGNORECASE)
-_STAGES_HELP = (
-    "expected space- or comma-separated 'THRESHOLD:SIZE' pairs, thresholds strictly "
-    "increasing from 0, sizes >= 1, numbers as integers with an optional K (10^3), "
-    "M (10^6) or G (10^9) suffix, e.g. '0:64 200K:128 1M:256'"
-)
-
-
-def parse_count(text: str) -> int:
-    """Parse ``"200K"``, ``"1.5M"``, ``"3G"`` or ``"4096"`` into an int (decimal suffixes).
-
-    Raises ``ValueError`` for anything that is not a non-negative whole
-    number once the suffix is applied.
-    """
-    match = _COUNT.match(text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a count: use digits with an optional K, M or G suffix")
-    try:
-        value = Decimal(match.group(1)) * _SUFFIXES[match.group(2).upper()]
-    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
-        raise ValueError(f"{text!r} is not a count") from None
-    if value != value.to_integral_value():
-        raise ValueError(f"{text!r} is not a whole number")
-    return int(value)
-
-
-def parse_stages(text: str) -> list[tuple[int, int]]:
-    """Parse ``"0:64 200K:128 1M:256"`` into ``[(0, 64), (200000, 128), (1000000, 256)]``.
-
-    Errors name the bad token and say what is allowed.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"stages must be a string, got {type(text).__name__}")
-    tokens = [t for t in re.split(r"[\s,]+", text.strip()) if t]
-    if not tokens:
-        raise ValueError(f"batch-size schedule {text!r} is empty; {_STAGES_HELP}")
-    stages: list[tuple[int, int]] = []
-    for token in tokens:
-        stages.append(_parse_stage(token, stages[-1][0] if stages else None))
-    return stages
-
-
-def _parse_stage(token: str, previous: int | None) -> tuple[int, int]:
-    """Parse one ``THRESHOLD:SIZE`` token, checking it against the previous threshold."""
-
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"batch-size schedule token {token!r}: {problem}; {_STAGES_HELP}")
-
-    threshold_text, sep, size_text = token.partition(":")
-    if not sep or not threshold_text or not size_text:
-        raise bad("not of the form THRESHOLD:SIZE")
-    try:
-        threshold, size = parse_count(threshold_text), parse_count(size_text)
-    except ValueError as error:
-        raise bad(str(error)) from None
-    if size < 1:
-        raise bad(f"size must be >= 1, got {size}")
-    if previous is None and threshold != 0:
-        raise bad(f"the first threshold must be 0, got {threshold}")
-    if previous is not None and threshold <= previous:
-        raise bad(f"threshold {threshold} must exceed the previous threshold {previous}")
-    return threshold, size
-
-
-def _check_stages(stages: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """Validate ``(threshold, size)`` pairs: first threshold 0, strictly increasing, sizes >= 1."""
-    if not stages:
-        raise ValueError("a staged schedule needs at least one (threshold, size) stage")
-    out = []
-    for position, stage in enumerate(stages):
-        if len(stage) != 2:
-            raise ValueError(f"stage {position} must be a (threshold, size) pair, got {stage!r}")
-        threshold = _check_int(f"threshold of stage {position}", stage[0], 0)
-        size = _check_int(f"size of stage {position} (at {threshold})", stage[1], 1)
-        if position == 0 and threshold != 0:
-            raise ValueError(f"the first stage must start at 0 consumed, got {threshold}")
-        if out and threshold <= out[-1][0]:
-            raise ValueError(
-                f"thresholds must be strictly increasing: {threshold} follows {out[-1][0]}"
-            )
-        out.append((threshold, size))
-    return out
 
 
 class BatchSizeSchedule(abc.ABC):
@@ -174,7 +94,7 @@ class BatchSizeSchedule(abc.ABC):
     """
 
     def __init__(self, unit: str = "samples") -> None:
-        self._unit = _check_choice("unit", unit, UNITS)
+        self._unit = check_choice("unit", unit, UNITS)
 
     @property
     def unit(self) -> str:
@@ -208,14 +128,20 @@ class BatchSizeSchedule(abc.ABC):
         return consumed
 
     @abc.abstractmethod
-    def to_config(self) -> dict[str, Any]:
-        """Plain-Python description; :func:`make_schedule` rebuilds the schedule from it."""
+    def spec(self) -> dict[str, Any]:
+        """The schedule as a plain-Python spec (``{"type": "linear", ...}``).
+
+        What a user may pass as ``batch_size_schedule=`` (in a config file,
+        say): :func:`adaptive.batchsize.rampup_specs.make_schedule` rebuilds
+        an equal schedule from it.  Not checkpointed state: a schedule has
+        none (the loader checkpoints ``consumed``).
+        """
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BatchSizeSchedule) and self.to_config() == other.to_config()
+        return isinstance(other, BatchSizeSchedule) and self.spec() == other.spec()
 
     def __hash__(self) -> int:
-        return hash(repr(sorted(self.to_config().items())))
+        return hash(repr(sorted(self.spec().items())))
 
     def step_size(
         self, consumed: int, proposed: int | None = None, *, exact_boundaries: bool = False
@@ -228,10 +154,10 @@ class BatchSizeSchedule(abc.ABC):
         that it ends exactly on the next threshold, where the next step starts
         with the new size.
         """
-        consumed = _check_int("consumed", consumed, 0)
+        consumed = check_int("consumed", consumed, 0)
         size = self.batch_size_at(consumed)
         if proposed is not None:
-            size = min(size, _check_int("proposed", proposed, 1))
+            size = min(size, check_int("proposed", proposed, 1))
         if exact_boundaries:
             change = self.next_change(consumed)
             if change is not None:
@@ -242,8 +168,8 @@ class BatchSizeSchedule(abc.ABC):
         self, consumed: int, until: int, *, exact_boundaries: bool = False
     ) -> Iterator[tuple[int, int]]:
         """Yield ``(consumed_at_step_start, step_size)`` for steps until ``until`` is reached."""
-        consumed = _check_int("consumed", consumed, 0)
-        until = _check_int("until", until, consumed)
+        consumed = check_int("consumed", consumed, 0)
+        until = check_int("until", until, consumed)
         while consumed < until:
             size = self.step_size(consumed, exact_boundaries=exact_boundaries)
             yield consumed, size
@@ -259,15 +185,15 @@ class BatchSizeSchedule(abc.ABC):
         ``cap = min(hi, batch_size_at(consumed))`` and the result is
         ``(min(lo, cap), cap)`` (see the module docstring).
         """
-        scheduled = self.batch_size_at(_check_int("consumed", consumed, 0))
+        scheduled = self.batch_size_at(check_int("consumed", consumed, 0))
         if autoscale_bounds is None:
             return scheduled, scheduled
         if not isinstance(autoscale_bounds, (tuple, list)) or len(autoscale_bounds) != 2:
             raise ValueError(
                 f"autoscale_bounds must be a (min, max) pair, got {autoscale_bounds!r}"
             )
-        low = _check_int("autoscale_bounds[0]", autoscale_bounds[0], 1)
-        high = _check_int("autoscale_bounds[1]", autoscale_bounds[1], low)
+        low = check_int("autoscale_bounds[0]", autoscale_bounds[0], 1)
+        high = check_int("autoscale_bounds[1]", autoscale_bounds[1], low)
         cap = min(high, scheduled)
         return min(low, cap), cap
 
@@ -278,12 +204,12 @@ class BatchSizeSchedule(abc.ABC):
         relative to the ``"final"`` (default: the LR is tuned for the final
         batch and is scaled down early in the ramp) or the ``"initial"`` size.
         If autoscale picks a smaller batch than scheduled, scale by the actual
-        size instead (:func:`adaptive.data.tokens.planner.step_lr_factor`).
+        size instead (:func:`adaptive.batchsize.step_lr_rules.step_lr_factor`).
         """
-        _check_choice("rule", rule, LR_RULES)
-        _check_choice("reference", reference, LR_REFERENCES)
+        check_choice("rule", rule, LR_RULES)
+        check_choice("reference", reference, LR_REFERENCES)
         base = self.final_batch_size if reference == "final" else self.initial_batch_size
-        return step_lr_factor(self.batch_size_at(_check_int("consumed", consumed, 0)), base, rule)
+        return step_lr_factor(self.batch_size_at(check_int("consumed", consumed, 0)), base, rule)
 
 
 class ConstantSchedule(BatchSizeSchedule):
@@ -291,14 +217,14 @@ class ConstantSchedule(BatchSizeSchedule):
 
     def __init__(self, batch_size: int, unit: str = "samples") -> None:
         super().__init__(unit)
-        self._size = _check_int("batch_size", batch_size, 1)
+        self._size = check_int("batch_size", batch_size, 1)
 
     def batch_size_at(self, consumed: int) -> int:
-        _check_int("consumed", consumed, 0)
+        check_int("consumed", consumed, 0)
         return self._size
 
     def next_change(self, consumed: int) -> int | None:
-        _check_int("consumed", consumed, 0)
+        check_int("consumed", consumed, 0)
         return None
 
     @property
@@ -309,7 +235,7 @@ class ConstantSchedule(BatchSizeSchedule):
     def final_batch_size(self) -> int:
         return self._size
 
-    def to_config(self) -> dict[str, Any]:
+    def spec(self) -> dict[str, Any]:
         return {"type": "constant", "batch_size": self._size, "unit": self.unit}
 
     def __repr__(self) -> str:
@@ -332,10 +258,10 @@ class LinearRampup(BatchSizeSchedule):
         self, start: int, increment: int, rampup: int, target: int, unit: str = "samples"
     ) -> None:
         super().__init__(unit)
-        self._start = _check_int("start", start, 1)
-        self._increment = _check_int("increment", increment, 1)
-        self._rampup = _check_int("rampup", rampup, 1)
-        self._target = _check_int("target", target, self._start)
+        self._start = check_int("start", start, 1)
+        self._increment = check_int("increment", increment, 1)
+        self._rampup = check_int("rampup", rampup, 1)
+        self._target = check_int("target", target, self._start)
         span = self._target - self._start
         if span % self._increment:
             raise ValueError(
@@ -348,10 +274,10 @@ class LinearRampup(BatchSizeSchedule):
         return min(self._num_increments, consumed * self._num_increments // self._rampup)
 
     def batch_size_at(self, consumed: int) -> int:
-        return self._start + self._increment * self._stage(_check_int("consumed", consumed, 0))
+        return self._start + self._increment * self._stage(check_int("consumed", consumed, 0))
 
     def next_change(self, consumed: int) -> int | None:
-        stage = self._stage(_check_int("consumed", consumed, 0))
+        stage = self._stage(check_int("consumed", consumed, 0))
         if stage >= self._num_increments:
             return None
         return -(-(stage + 1) * self._rampup // self._num_increments)  # ceil division
@@ -368,7 +294,7 @@ class LinearRampup(BatchSizeSchedule):
     def rampup_end(self) -> int:
         return self._rampup if self._num_increments else 0
 
-    def to_config(self) -> dict[str, Any]:
+    def spec(self) -> dict[str, Any]:
         return {
             "type": "linear",
             "start": self._start,
@@ -395,7 +321,7 @@ class StagedSchedule(BatchSizeSchedule):
 
     def __init__(self, stages: str | Sequence[Sequence[int]], unit: str = "samples") -> None:
         super().__init__(unit)
-        self._stages = parse_stages(stages) if isinstance(stages, str) else _check_stages(stages)
+        self._stages = parse_stages(stages) if isinstance(stages, str) else check_stages(stages)
         self._thresholds = [t for t, _ in self._stages]
 
     @property
@@ -414,10 +340,10 @@ class StagedSchedule(BatchSizeSchedule):
         return low
 
     def batch_size_at(self, consumed: int) -> int:
-        return self._stages[self._index(_check_int("consumed", consumed, 0))][1]
+        return self._stages[self._index(check_int("consumed", consumed, 0))][1]
 
     def next_change(self, consumed: int) -> int | None:
-        index = self._index(_check_int("consumed", consumed, 0))
+        index = self._index(check_int("consumed", consumed, 0))
         size = self._stages[index][1]
         for threshold, later in self._stages[index + 1 :]:
             if later != size:
@@ -432,68 +358,10 @@ class StagedSchedule(BatchSizeSchedule):
     def final_batch_size(self) -> int:
         return self._stages[-1][1]
 
-    def to_config(self) -> dict[str, Any]:
+    def spec(self) -> dict[str, Any]:
         return {"type": "staged", "stages": [list(s) for s in self._stages], "unit": self.unit}
 
     def __repr__(self) -> str:
         text = " ".join(f"{t}:{s}" for t, s in self._stages)
         return f"StagedSchedule({text!r}, unit={self.unit!r})"
 
-
-def make_schedule(
-    spec: BatchSizeSchedule | int | str | Mapping[str, Any], unit: str = "samples"
-) -> BatchSizeSchedule:
-    """Build a schedule from a user-facing spec.
-
-    ``int`` -> :class:`ConstantSchedule`; ``str`` -> :class:`StagedSchedule`
-    (``"0:64 200K:128"``) or a constant (``"256"``); a mapping from
-    :meth:`BatchSizeSchedule.to_config` (``{"type": "linear", ...}``); a
-    schedule is returned as is. ``unit`` applies where the spec has none.
-    """
-    if isinstance(spec, BatchSizeSchedule):
-        return spec
-    if isinstance(spec, str):
-        if ":" not in spec:
-            try:
-                return ConstantSchedule(parse_count(spec), unit)
-            except ValueError:
-                raise ValueError(
-                    f"batch-size schedule {spec!r} is neither a size nor stages; {_STAGES_HELP}"
-                ) from None
-        return StagedSchedule(spec, unit)
-    if isinstance(spec, Mapping):
-        return _from_config(spec, unit)
-    if isinstance(spec, bool) or not hasattr(spec, "__index__"):
-        raise TypeError(
-            "batch-size schedule must be an int, a stages string such as '0:64 200K:128', "
-            f"a config mapping or a BatchSizeSchedule, got {type(spec).__name__}"
-        )
-    return ConstantSchedule(spec, unit)
-
-
-def _from_config(config: Mapping[str, Any], unit: str) -> BatchSizeSchedule:
-    """Rebuild a schedule from :meth:`BatchSizeSchedule.to_config` output, checking the keys."""
-    kinds = {"constant": ConstantSchedule, "linear": LinearRampup, "staged": StagedSchedule}
-    kind = _check_choice("schedule config 'type'", config.get("type"), tuple(kinds))
-    arguments = {k: v for k, v in config.items() if k != "type"}
-    arguments.setdefault("unit", unit)
-    parameters = inspect.signature(kinds[kind]).parameters
-    required = {name for name, p in parameters.items() if p.default is inspect.Parameter.empty}
-    unknown, missing = set(arguments) - set(parameters), required - set(arguments)
-    if unknown or missing:
-        raise TypeError(
-            f"bad keys for a {kind!r} schedule config {dict(config)!r}: unknown "
-            f"{sorted(unknown)}, missing {sorted(missing)}; expected {sorted(parameters)}"
-        )
-    schedule = kinds[kind](**arguments)
-    logger.debug("%s", describe(schedule))
-    return schedule
-
-
-def describe(schedule: BatchSizeSchedule) -> str:
-    """One log line: the stages (or the ramp) and the unit."""
-    if isinstance(schedule, StagedSchedule):
-        body = ", ".join(f"{s} from {t}" for t, s in schedule.stages)
-    else:
-        body = repr(schedule)
-    return f"global batch size schedule in {schedule.unit}: {body}"

@@ -38,9 +38,13 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Union
+from typing import Any, Mapping, Protocol
 
 import torch
+
+from adaptive._utils.checks import check_float
+from adaptive.batchsize._state_format import check_fields, read_state
+from adaptive.checkpoint.versions import UNVERSIONED
 
 __all__ = [
     "GainSource",
@@ -57,6 +61,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_STATE_FIELDS = ("name", "progress", "steps", "samples", "last_factor", "last_gain")
 
 #: Optimizers with per-coordinate adaptive step sizes get square-root rules.
 _ADAPTIVE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
@@ -75,7 +81,7 @@ class GainSource(Protocol):
     def config(self) -> Any:
         """Batch configuration with ``global_batch_size`` and ``init_batch_size`` (or None)."""
 
-    def gain(self, scale: Optional[float] = None) -> float:
+    def gain(self, scale: float | None = None) -> float:
         """Gain ratio at ``scale``."""
 
 
@@ -84,12 +90,14 @@ class ScalingRule(ABC):
 
     #: Short name accepted by :func:`make_scaling_rule`.
     name = "base"
+    #: Format of :meth:`state_dict` (1: the progress counters; release 0.1 wrote them without a version).
+    VERSION = 1
 
     def __init__(self) -> None:
-        self._optimizer: Optional[torch.optim.Optimizer] = None
-        self._gns: Optional[GainSource] = None
-        self._handles: List[Any] = []
-        self._saved_lrs: Optional[List[Any]] = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._gns: GainSource | None = None
+        self._handles: list[Any] = []
+        self._saved_lrs: list[Any] | None = None
         self._step_gain = 1.0
         self._step_factor = 1.0
         self._step_samples = 0
@@ -107,7 +115,7 @@ class ScalingRule(ABC):
     def attach(self, optimizer: torch.optim.Optimizer, gns: GainSource) -> None:
         """Scale ``optimizer``'s learning rates from now on, using ``gns``."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if self._optimizer is not None:
             raise RuntimeError(f"{type(self).__name__} is already attached to an optimizer")
         self._optimizer, self._gns = optimizer, gns
@@ -152,21 +160,22 @@ class ScalingRule(ABC):
         self._saved_lrs = None
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
-        """Progress counters as plain numbers."""
-        return {"name": self.name, "progress": self.progress, "steps": self.steps, "samples": self.samples,
-                "last_factor": self.last_factor, "last_gain": self.last_gain}
+    def state_dict(self) -> dict[str, Any]:
+        """Progress counters as plain numbers, format :attr:`VERSION`."""
+        return {"version": self.VERSION, "name": self.name, "progress": self.progress, "steps": self.steps,
+                "samples": self.samples, "last_factor": self.last_factor, "last_gain": self.last_gain}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping):
-            raise ValueError(f"scaling rule state must be a dict, got {type(state).__name__}")
-        if state.get("name") not in (None, self.name):
-            logger.warning("restoring %s progress into a %s rule", state.get("name"), self.name)
-        self.progress = float(state["progress"])
-        self.steps = int(state["steps"])
-        self.samples = int(state.get("samples", 0))
-        self.last_factor = float(state.get("last_factor", 1.0))
-        self.last_gain = float(state.get("last_gain", 1.0))
+        """Restore :meth:`state_dict` (also one of another rule: its progress carries over)."""
+        fields = read_state("scaling rule", state, self.VERSION, unversioned=UNVERSIONED)
+        check_fields("scaling rule state", fields, _STATE_FIELDS, optional=("base_warmup_steps",))
+        if fields["name"] != self.name:
+            logger.warning("restoring %s progress into a %s rule", fields["name"], self.name)
+        self.progress = float(fields["progress"])
+        self.steps = int(fields["steps"])
+        self.samples = int(fields["samples"])
+        self.last_factor = float(fields["last_factor"])
+        self.last_gain = float(fields["last_gain"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -239,10 +248,7 @@ class LEGW(ScalingRule):
 
     def __init__(self, base_warmup_steps: float) -> None:
         super().__init__()
-        if isinstance(base_warmup_steps, bool) or not isinstance(base_warmup_steps, (int, float)) \
-                or not math.isfinite(base_warmup_steps) or base_warmup_steps < 0:
-            raise ValueError(f"base_warmup_steps must be a finite number >= 0, got {base_warmup_steps!r}")
-        self.base_warmup_steps = float(base_warmup_steps)
+        self.base_warmup_steps = check_float("base_warmup_steps", base_warmup_steps, 0.0)
 
     def factor(self, scale: float, gain: float) -> float:
         config = getattr(self._gns, "config", None)
@@ -253,7 +259,7 @@ class LEGW(ScalingRule):
         done = self.samples + scale * init
         return math.sqrt(scale) * min(1.0, done / warmup)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), base_warmup_steps=self.base_warmup_steps)
 
     def __repr__(self) -> str:
@@ -272,7 +278,7 @@ def default_scaling_rule(optimizer: torch.optim.Optimizer) -> ScalingRule:
     return AdamScale() if adaptive else AdaScale()
 
 
-def make_scaling_rule(spec: Union[None, str, ScalingRule], optimizer: torch.optim.Optimizer) -> ScalingRule:
+def make_scaling_rule(spec: None | str | ScalingRule, optimizer: torch.optim.Optimizer) -> ScalingRule:
     """A rule from ``None`` (the default for ``optimizer``), a name in
     :data:`RULES` or an instance (returned as is)."""
     if spec is None:
@@ -287,4 +293,4 @@ def make_scaling_rule(spec: Union[None, str, ScalingRule], optimizer: torch.opti
             raise ValueError("the 'legw' rule needs its warm-up length: pass LEGW(base_warmup_steps=...)")
         raise ValueError(f"unknown scaling rule {spec!r}; choose one of {sorted(RULES) + ['legw']} "
                          "or pass a ScalingRule instance")
-    raise ValueError(f"scaling rule must be None, a name or a ScalingRule, got {type(spec).__name__}")
+    raise TypeError(f"scaling rule must be None, a name or a ScalingRule, got {type(spec).__name__}")

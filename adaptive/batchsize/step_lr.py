@@ -7,7 +7,7 @@ relative to the reference size.  The actual step can be smaller than its
 shape: a token-budget micro-batch holds fewer real tokens than its budget,
 and the last step of an epoch holds what is left.  The loader therefore
 gives every step a second factor, ``lr_scaling(actual / planned)``
-(:func:`adaptive.data.tokens.planner.step_lr_factor`: ``"linear"``,
+(:func:`adaptive.batchsize.step_lr_rules.step_lr_factor`: ``"linear"``,
 ``"sqrt"`` or ``"none"``), and the two compose::
 
     lr = scheduler_lr x rule(planned / reference) x lr_scaling(actual / planned)
@@ -34,12 +34,14 @@ from typing import Any, Callable
 
 import torch
 
+from adaptive.batchsize.step_lr_rules import LR_RULES
+
 __all__ = ["LR_SCALING", "StepLRFactor", "resolve_lr_scaling"]
 
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``AdaptiveDataLoader(lr_scaling=...)``.
-LR_SCALING = ("auto", "linear", "sqrt", "none")
+LR_SCALING = ("auto", *LR_RULES)
 
 _FAMILY = {"adascale": "linear", "linear": "linear", "adamscale": "sqrt", "sqrt": "sqrt", "legw": "sqrt",
            "none": "none"}

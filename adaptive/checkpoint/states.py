@@ -34,7 +34,6 @@ A job is *resuming* exactly when a complete checkpoint exists; see
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from typing import Any
@@ -42,7 +41,9 @@ from typing import Any
 from adaptive.elastic import collectives
 from adaptive.elastic import env
 from adaptive.observe import metrics
-from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, _validate_metadata
+from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
+from adaptive.checkpoint._safe_load import validate_metadata as _validate_metadata
+from adaptive.elastic.job import CheckpointSession, current_job
 from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatError, upgrade
 
 __all__ = [
@@ -56,15 +57,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_registry: dict[str, "State"] = {}
-_store: CheckpointStore | None = None
-_store_root: str | None = None
-_resumed: Checkpoint | None = None
-_resumed_looked_up = False
-_last_save_time: float | None = None
-_save_count = 0
-_epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
-_name_counts: collections.Counter = collections.Counter()  # (kind, epoch scope) -> objects named
+
+def _session() -> CheckpointSession:
+    """This job's checkpoint state (see :mod:`adaptive.elastic.job`)."""
+    return current_job().checkpoints
 
 
 class State:
@@ -92,14 +88,15 @@ class State:
             raise ValueError(f"State name must be a non-empty string, got {name!r}")
         if scope is not None:  # owned by an epoch: only that epoch's replay may restore it
             name = f"{name}@epoch{scope}"
-        if name in _registry:
+        registry = _session().registry
+        if name in registry:
             raise ValueError(
                 f"a State named {name!r} already exists; give each checkpointed object a unique name "
                 "(for example name= on AdaptiveDataLoader)"
             )
         self.name = name
         self.scope = scope
-        _registry[name] = self
+        registry[name] = self
 
     def state_dict(self) -> Any:
         """This state's content as plain, safely loadable data."""
@@ -114,13 +111,14 @@ class State:
 
     def unregister(self) -> None:
         """Remove this state from the checkpoint (the object will no longer be saved)."""
-        if _registry.get(self.name) is self:
-            del _registry[self.name]
+        registry = _session().registry
+        if registry.get(self.name) is self:
+            del registry[self.name]
 
 
 def epoch_scope() -> int | None:
     """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
-    return _epoch_scope
+    return _session().epoch_scope
 
 
 def default_name(kind: str) -> str:
@@ -130,41 +128,42 @@ def default_name(kind: str) -> str:
     (``"e3.0"``, ``"e3.1"``, ...), or outside epochs (``"0"``, ``"1"``, ...):
     the same object gets the same name when a restart replays its code.
     """
-    key = (kind, _epoch_scope)
-    count = _name_counts[key]
-    _name_counts[key] += 1
-    return str(count) if _epoch_scope is None else f"e{_epoch_scope}.{count}"
+    session = _session()
+    key = (kind, session.epoch_scope)
+    count = session.name_counts[key]
+    session.name_counts[key] += 1
+    return str(count) if session.epoch_scope is None else f"e{session.epoch_scope}.{count}"
 
 
 def begin_epoch(epoch: int) -> None:
     """Objects created from now on belong to ``epoch`` (called by ``remaining_epochs_until``)."""
-    global _epoch_scope
-    _epoch_scope = epoch
-    for key in [key for key in _name_counts if key[1] == epoch]:
-        del _name_counts[key]
+    session = _session()
+    session.epoch_scope = epoch
+    for key in [key for key in session.name_counts if key[1] == epoch]:
+        del session.name_counts[key]
 
 
 def end_epoch() -> None:
     """The epoch is over: its objects leave the checkpoint, and objects are global again."""
-    global _epoch_scope
-    if _epoch_scope is not None:
-        for name in [name for name, state in _registry.items() if state.scope == _epoch_scope]:
-            del _registry[name]
-    _epoch_scope = None
+    session = _session()
+    if session.epoch_scope is not None:
+        for name in [name for name, state in session.registry.items() if state.scope == session.epoch_scope]:
+            del session.registry[name]
+    session.epoch_scope = None
 
 
 def registered_states() -> list[State]:
     """The states that the next checkpoint will contain, in creation order."""
-    return list(_registry.values())
+    return list(_session().registry.values())
 
 
 def _checkpoint_store() -> CheckpointStore:
-    global _store, _store_root
     root = env.checkpoint_path()
-    if _store is None or _store_root != root:
-        _store = CheckpointStore(root, keep=env.checkpoint_keep())
-        _store_root = root
-    return _store
+    session = _session()
+    if session.store is None or session.store_root != root:
+        session.store = CheckpointStore(root, keep=env.checkpoint_keep())
+        session.store_root = root
+    return session.store
 
 
 def resumed_checkpoint() -> Checkpoint | None:
@@ -175,29 +174,29 @@ def resumed_checkpoint() -> Checkpoint | None:
     and while other ranks wait in a barrier); the replicas compare their
     choices at their first agreement.
     """
-    global _resumed, _resumed_looked_up
-    if _resumed_looked_up:
-        return _resumed
+    session = _session()
+    if session.resumed_looked_up:
+        return session.resumed
     store = _checkpoint_store()
-    _resumed = store.latest()
-    _resumed_looked_up = True
-    meta = {} if _resumed is None else dict(_resumed.info.metadata or {})
+    resumed = session.resumed = store.latest()
+    session.resumed_looked_up = True
+    meta = {} if resumed is None else dict(resumed.info.metadata or {})
     metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
-                                  resumed=None if _resumed is None else _resumed.info.seq,
+                                  resumed=None if resumed is None else resumed.info.seq,
                                   epoch=meta.get("epoch"), step=meta.get("step"), loader=meta.get("loader"),
                                   loader_steps=meta.get("loader_steps"), replicas_before=meta.get("replicas"))
-    if _resumed is not None:
+    if resumed is not None:
         logger.log(
             logging.INFO if env.rank() == 0 else logging.DEBUG,
             "resuming from checkpoint %d in %s (saved at epoch %s, step %s, with %s replicas; now %d replicas)",
-            _resumed.info.seq,
+            resumed.info.seq,
             store.root,
             meta.get("epoch"),
             meta.get("step"),
             meta.get("replicas"),
             env.num_replicas(),
         )
-    return _resumed
+    return resumed
 
 
 def resumed_seq() -> int:
@@ -243,7 +242,6 @@ def save_all_states(metadata: dict[str, Any] | None = None) -> int:
         TypeError: ``metadata`` is not a JSON-serialisable mapping with str keys.
         CheckpointError: on every replica when rank 0 could not write it.
     """
-    global _last_save_time, _save_count
     _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
     states = registered_states()
     for state in states:
@@ -259,8 +257,9 @@ def save_all_states(metadata: dict[str, Any] | None = None) -> int:
     if env.rank() == 0:
         outcome = _write(states, metadata)
     seq, error = collectives.broadcast_object(outcome)
-    _save_count += 1
-    _last_save_time = time.monotonic()
+    session = _session()
+    session.save_count += 1
+    session.last_save_time = time.monotonic()
     if error is not None:
         raise CheckpointError(error)
     return seq
@@ -292,25 +291,12 @@ def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | 
 
 def save_count() -> int:
     """Checkpoints this process has taken part in (equal on every replica at every agreement)."""
-    return _save_count
+    return _session().save_count
 
 
 def seconds_since_last_save(now: float | None = None) -> float | None:
     """Seconds since this process last took part in a save, None if never."""
-    if _last_save_time is None:
+    last = _session().last_save_time
+    if last is None:
         return None
-    return (time.monotonic() if now is None else now) - _last_save_time
-
-
-def _reset_for_tests() -> None:
-    """Forget registered states and the resumed checkpoint (tests run many jobs in one process)."""
-    global _store, _store_root, _resumed, _resumed_looked_up, _last_save_time, _save_count, _epoch_scope
-    _registry.clear()
-    _name_counts.clear()
-    _epoch_scope = None
-    _save_count = 0
-    _store = None
-    _store_root = None
-    _resumed = None
-    _resumed_looked_up = False
-    _last_save_time = None
+    return (time.monotonic() if now is None else now) - last

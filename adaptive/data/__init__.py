@@ -3,17 +3,19 @@
 :mod:`.dataloader` is :class:`AdaptiveDataLoader`; :mod:`.sampler` the
 seeded, replica-independent permutation of each epoch; :mod:`.steps` the
 plan of steps and micro-steps; :mod:`.sample_batches` batches of a number of
-samples and :mod:`.tokens` batches of a token budget.
+samples and :mod:`.tokens` batches of a token budget; :mod:`.weighting` the
+loss weight of each micro-batch, for both.
 """
 
 from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
     "AdaptiveDataLoader": "adaptive.data.dataloader",
+    "current_dataloader": "adaptive.data.dataloader",
     "ElasticSampler": "adaptive.data.sampler",
     "GlobalPermutation": "adaptive.data.sampler",
-    "OversizeSampleError": "adaptive.data.tokens.planner",
-    "SampleLengths": "adaptive.data.tokens.planner",
+    "OversizeSampleError": "adaptive.data.tokens.lengths",
+    "SampleLengths": "adaptive.data.tokens.lengths",
     "TokenBudgetPlanner": "adaptive.data.tokens.planner",
 }
 

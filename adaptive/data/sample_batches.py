@@ -32,6 +32,16 @@ class SampleBatching(Batching):
         self.sampler = sampler
         self.name = name
 
+    def default_batch_size(self, accumulation_steps: int, replicas: int) -> int:
+        return 1  # as torch's DataLoader
+
+    def make_sizer(self, batch_size: int, schedule: Any, accumulation_steps: int, global_size: bool) -> StepSizer:
+        return StepSizer("samples", schedule, lambda replicas: StepShape(batch_size, 1),
+                         min_micro=lambda replicas: replicas)
+
+    def autoscale_bounds(self, max_batch_size: int, bounds: tuple[int, int] | None) -> tuple[int, int]:
+        return (1, max_batch_size) if bounds is None else (bounds[0], bounds[1])
+
     def plan(self, state: Any, sizer: StepSizer, replicas: int, rank: int) -> Iterator[PlannedStep]:
         return self._steps(state.index, state.consumed, sizer, replicas, rank)
 

@@ -1,6 +1,6 @@
 """Elastic sampling: one seeded global stream per epoch, split across replicas.
 
-This module implements guarantee G2 of DESIGN.md (exact data accounting).
+This module implements guarantee G2 (exact data accounting; README.md and docs/restarts.md).
 
 Contract
 --------
@@ -37,53 +37,17 @@ from typing import Iterator
 
 import numpy as np
 
+from adaptive._utils.checks import check_bool, check_int
+from adaptive._utils.mix import GOLDEN_GAMMA, MASK64, MIX_MULTIPLIER_1, MIX_MULTIPLIER_2, splitmix64_step
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlobalPermutation", "ElasticSampler", "split_evenly"]
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd
-_MIX1 = np.uint64(0x9E3779B97F4A7C15)
-_MIX2 = np.uint64(0xBF58476D1CE4E5B9)
+#: Multipliers of the Feistel round function (SplitMix64's increment and first finaliser multiplier).
+_FEISTEL_MULTIPLIER_1 = np.uint64(GOLDEN_GAMMA)
+_FEISTEL_MULTIPLIER_2 = np.uint64(MIX_MULTIPLIER_1)
 _SHIFT32 = np.uint64(32)
-
-
-def _check_int(
-    name: str, value: object, minimum: int, maximum: int | None = None, hint: str = ""
-) -> int:
-    """Return ``value`` as a Python int, or raise naming the argument and the allowed range."""
-    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer {allowed}, got bool {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer {allowed}, got {type(value).__name__} {value!r}"
-        ) from None
-    if number < minimum or (maximum is not None and number > maximum):
-        raise ValueError(f"{name} must be {allowed}, got {number}{hint}")
-    return number
-
-
-def _check_bool(name: str, value: object) -> bool:
-    """Return ``value`` if it is a bool (numpy bools included), else raise naming the argument."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-
-
-def _splitmix64(state: int) -> tuple[int, int]:
-    """One step of SplitMix64: returns ``(next_state, output)`` as 64-bit Python ints.
-
-    Pure integer arithmetic, so key derivation is identical on every process
-    and platform (unlike Python's salted ``hash()``).
-    """
-    state = (state + _GOLDEN) & _MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return state, z ^ (z >> 31)
 
 
 def _derive_keys(n: int, seed: int, epoch: int, count: int) -> tuple[int, ...]:
@@ -91,14 +55,16 @@ def _derive_keys(n: int, seed: int, epoch: int, count: int) -> tuple[int, ...]:
 
     Each input is folded through a full SplitMix64 step before the next one
     is absorbed, so nearby seeds or epochs give unrelated key schedules.
+    Pure integer arithmetic, so the keys are the same on every process and
+    platform (unlike Python's salted ``hash()``).
     """
     state = 0
     for word in (n, seed, epoch):
-        state, out = _splitmix64(state ^ word)
+        state, out = splitmix64_step(state ^ word)
         state ^= out
     keys = []
     for _ in range(count):
-        state, out = _splitmix64(state)
+        state, out = splitmix64_step(state)
         keys.append(out)
     return tuple(keys)
 
@@ -109,8 +75,8 @@ def split_evenly(total: int, parts: int) -> list[int]:
     Larger sizes come first, e.g. ``split_evenly(5, 3) == [2, 2, 1]``; this is
     how a global batch is shared among replicas in rank order.
     """
-    total = _check_int("total", total, 0)
-    parts = _check_int("parts", parts, 1)
+    total = check_int("total", total, 0)
+    parts = check_int("parts", parts, 1)
     base, extra = divmod(total, parts)
     return [base + 1] * extra + [base] * (parts - extra)
 
@@ -144,10 +110,10 @@ class GlobalPermutation:
     _BLOCK = 1 << 12
 
     def __init__(self, n: int, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> None:
-        self._n = _check_int("n", n, 1, self.MAX_SIZE)
-        self._seed = _check_int("seed", seed, 0, _MASK64)
-        self._epoch = _check_int("epoch", epoch, 0, _MASK64)
-        self._shuffle = _check_bool("shuffle", shuffle)
+        self._n = check_int("n", n, 1, self.MAX_SIZE)
+        self._seed = check_int("seed", seed, 0, MASK64)
+        self._epoch = check_int("epoch", epoch, 0, MASK64)
+        self._shuffle = check_bool("shuffle", shuffle)
         width = (self._n - 1).bit_length()
         self._high_bits = width - width // 2
         self._low_bits = width // 2
@@ -219,8 +185,8 @@ class GlobalPermutation:
         ``0 <= start <= stop <= n``. Work is O(stop - start) and independent of
         ``start``, which is what makes resuming at any position O(1).
         """
-        start = _check_int("start", start, 0, self._n)
-        stop = _check_int("stop", stop, start, self._n)
+        start = check_int("start", start, 0, self._n)
+        stop = check_int("stop", stop, start, self._n)
         if not self._shuffle:
             return np.arange(start, stop, dtype=np.int64)
         if self._table is not None:
@@ -253,14 +219,18 @@ class GlobalPermutation:
         return cached[1]
 
     def _small_table(self) -> np.ndarray:
-        """Uniform shuffle of a small range: argsort of a keyed SplitMix64 stream."""
+        """Uniform shuffle of a small range: argsort of a keyed SplitMix64 stream.
+
+        SplitMix64's outputs (:func:`adaptive._utils.mix.splitmix64_step`)
+        from state ``keys[0]``, vectorised (uint64 arithmetic wraps like ``& MASK64``).
+        """
         stream = np.arange(1, self._n + 1, dtype=np.uint64)
-        np.multiply(stream, np.uint64(_GOLDEN), out=stream)
+        np.multiply(stream, np.uint64(GOLDEN_GAMMA), out=stream)
         np.add(stream, self._keys[0], out=stream)
         stream ^= stream >> np.uint64(30)
-        stream *= np.uint64(0xBF58476D1CE4E5B9)
+        stream *= np.uint64(MIX_MULTIPLIER_1)
         stream ^= stream >> np.uint64(27)
-        stream *= np.uint64(0x94D049BB133111EB)
+        stream *= np.uint64(MIX_MULTIPLIER_2)
         stream ^= stream >> np.uint64(31)
         return np.argsort(stream, kind="stable").astype(np.int64)
 
@@ -292,9 +262,9 @@ class GlobalPermutation:
             # high ^= F_key(low), with F keeping the top `high_bits` bits of a
             # multiply-xorshift-multiply hash; then swap halves (and widths).
             np.bitwise_xor(low, key, out=scratch)
-            np.multiply(scratch, _MIX1, out=scratch)
+            np.multiply(scratch, _FEISTEL_MULTIPLIER_1, out=scratch)
             np.bitwise_xor(scratch, scratch >> _SHIFT32, out=scratch)
-            np.multiply(scratch, _MIX2, out=scratch)
+            np.multiply(scratch, _FEISTEL_MULTIPLIER_2, out=scratch)
             np.right_shift(scratch, np.uint64(64 - high_bits), out=scratch)
             np.bitwise_xor(high, scratch, out=high)
             high, low = low, high
@@ -323,16 +293,16 @@ class ElasticSampler:
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        self._num_samples = _check_int(
+        self._num_samples = check_int(
             "num_samples",
             num_samples,
             1,
             GlobalPermutation.MAX_SIZE,
             hint=" (cannot sample from an empty dataset)" if num_samples == 0 else "",
         )
-        self._shuffle = _check_bool("shuffle", shuffle)
-        self._seed = _check_int("seed", seed, 0, _MASK64)
-        self._drop_last = _check_bool("drop_last", drop_last)
+        self._shuffle = check_bool("shuffle", shuffle)
+        self._seed = check_int("seed", seed, 0, MASK64)
+        self._drop_last = check_bool("drop_last", drop_last)
         self._permutation = GlobalPermutation(self._num_samples, self._seed, 0, self._shuffle)
 
     @property
@@ -373,7 +343,7 @@ class ElasticSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of ``epoch`` (O(1); call on every replica)."""
-        epoch = _check_int("epoch", epoch, 0, _MASK64)
+        epoch = check_int("epoch", epoch, 0, MASK64)
         if epoch != self.epoch:
             self._permutation = GlobalPermutation(
                 self._num_samples, self._seed, epoch, self._shuffle
@@ -383,7 +353,7 @@ class ElasticSampler:
     def step_size(self, start: int, global_batch_size: int) -> int:
         """Fresh samples consumed by the step at ``start``; 0 when the epoch is over."""
         start = self._check_start(start)
-        global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+        global_batch_size = check_int("global_batch_size", global_batch_size, 1)
         remaining = self._num_samples - start
         if remaining == 0 or (self._drop_last and remaining < global_batch_size):
             return 0
@@ -392,7 +362,7 @@ class ElasticSampler:
     def num_steps(self, start: int, global_batch_size: int) -> int:
         """Steps left in the epoch from ``start`` if the global batch size stays constant."""
         start = self._check_start(start)
-        global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+        global_batch_size = check_int("global_batch_size", global_batch_size, 1)
         full, rest = divmod(self._num_samples - start, global_batch_size)
         return full + (1 if rest and not self._drop_last else 0)
 
@@ -406,9 +376,9 @@ class ElasticSampler:
         no step starts at ``start``.
         """
         start = self._check_start(start)
-        global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
-        num_replicas = _check_int("num_replicas", num_replicas, 1)
-        rank = _check_int("rank", rank, 0, num_replicas - 1)
+        global_batch_size = check_int("global_batch_size", global_batch_size, 1)
+        num_replicas = check_int("num_replicas", num_replicas, 1)
+        rank = check_int("rank", rank, 0, num_replicas - 1)
         if global_batch_size < num_replicas:
             raise ValueError(
                 f"global_batch_size must be >= num_replicas ({num_replicas}) so that every "
@@ -441,4 +411,4 @@ class ElasticSampler:
         return self._permutation.take(lo, hi)
 
     def _check_start(self, start: int) -> int:
-        return _check_int("start", start, 0, self._num_samples)
+        return check_int("start", start, 0, self._num_samples)

@@ -30,6 +30,9 @@ the middle of a ramp continues the schedule exactly.  With autoscale *and*
 a schedule, the schedule bounds autoscale from above
 (:meth:`adaptive.batchsize.rampup.BatchSizeSchedule.bounds_at`): autoscale may pick
 any size up to the scheduled one but never more.
+
+How a step's loss is weighted (for both strategies) is
+:func:`adaptive.data.weighting.loss_weight`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Callable, Iterator
 
 from adaptive.batchsize.rampup import BatchSizeSchedule
 
-__all__ = ["PlannedStep", "StepShape", "StepSizer", "Batching", "loss_weight"]
+__all__ = ["PlannedStep", "StepShape", "StepSizer", "Batching"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +110,6 @@ class PlannedStep:
         if self.num_tokens is None or not self.padded_tokens:
             return None
         return self.num_tokens / self.padded_tokens
-
-
-def loss_weight(step: PlannedStep, micro_step: int, total: int, divisor: int) -> float:
-    """Factor for one micro-batch's *summed* loss so the step's gradient is a mean over ``total``.
-
-    The data-parallel reduction divides the gradient summed over replicas
-    and micro-steps by ``divisor`` (replicas x micro-steps for
-    :class:`~adaptive.AdaptiveDataParallel`, replicas for plain DDP), so
-    each summed loss is multiplied by ``divisor / total``; padding
-    micro-batches get 0.
-    """
-    if step.padding[micro_step] or total <= 0:
-        return 0.0
-    return divisor / total
 
 
 def _cap_shape(shape: StepShape, cap: int, replicas: int, per_replica: bool, floor: int) -> StepShape:
@@ -217,6 +206,24 @@ class Batching(abc.ABC):
     """
 
     unit = "samples"
+    #: The largest micro-batch in tokens, for token budgets; None for sample batches.
+    max_tokens: int | None = None
+
+    @abc.abstractmethod
+    def default_batch_size(self, accumulation_steps: int, replicas: int) -> int:
+        """The global batch size when neither ``batch_size=`` nor a schedule gives one."""
+
+    @abc.abstractmethod
+    def make_sizer(self, batch_size: int, schedule: Any, accumulation_steps: int, global_size: bool) -> StepSizer:
+        """How steps are sized: from the reference ``batch_size``, a ramp-up ``schedule`` or autoscale.
+
+        ``global_size``: ``batch_size`` is a fixed global size that must hold
+        (token budgets given a global batch of tokens).
+        """
+
+    @abc.abstractmethod
+    def autoscale_bounds(self, max_batch_size: int, bounds: tuple[int, int] | None) -> tuple[int, int]:
+        """The per-replica micro-batch bounds that autoscale may choose from, checked against the batching."""
 
     @abc.abstractmethod
     def plan(self, state: Any, sizer: StepSizer, replicas: int, rank: int) -> Iterator[PlannedStep]:

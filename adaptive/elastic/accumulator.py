@@ -43,7 +43,7 @@ import torch
 
 from adaptive.checkpoint import states
 from adaptive.elastic import collectives
-from adaptive.elastic import dataloader_context
+from adaptive.elastic.job import current_job
 from adaptive.elastic import epoch
 
 __all__ = ["Accumulator"]
@@ -136,7 +136,7 @@ class Accumulator(collections.abc.MutableMapping):
     """
 
     def __init__(self, *args: Any, name: str | None = None, **kwargs: Any) -> None:
-        if dataloader_context.current_dataloader() is not None:
+        if current_job().training.loop is not None:
             raise RuntimeError(
                 "Accumulator created inside an AdaptiveDataLoader loop; create it before the loop "
                 "so that a restart finds the same object"
@@ -159,7 +159,7 @@ class Accumulator(collections.abc.MutableMapping):
         if self._synchronized is not None:
             yield self
             return
-        if dataloader_context.current_dataloader() is not None:
+        if current_job().training.loop is not None:
             # Inside a loader loop: never replayed (the loop resumes mid-way), so never saved.
             self._state.sync()
         else:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from adaptive.elastic import env
+from adaptive.elastic.job import ProcessGroups, current_job
 
 __all__ = [
     "CollectiveError",
@@ -46,11 +47,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_control_group: Any = None
-_async_group: Any = None
-_async_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_teardown_registered = False
-_owns_default_group = False
+def _groups() -> ProcessGroups:
+    """This job's process groups (see :mod:`adaptive.elastic.job`)."""
+    return current_job().groups
+
 
 
 class CollectiveError(RuntimeError):
@@ -75,7 +75,6 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         timeout: seconds a collective waits for its peers before failing;
             default ``ADAPTIVE_COLLECTIVE_TIMEOUT`` (300 s).
     """
-    global _control_group, _async_group, _owns_default_group
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not isinstance(backend, str) or not backend:
@@ -84,6 +83,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     if not seconds > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     delta = datetime.timedelta(seconds=seconds)
+    groups = _groups()
     if not dist.is_initialized():
         world_size, rank = env.num_replicas(), env.rank()
         if backend == "nccl" and torch.cuda.is_available():
@@ -94,21 +94,21 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         else:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
         logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
-        _owns_default_group = True
-    if _control_group is None:
+        groups.owns_default_group = True
+    if groups.control is None:
         if dist.get_backend() == "gloo":
-            _control_group = dist.group.WORLD
+            groups.control = dist.group.WORLD
         else:
-            _control_group = dist.new_group(backend="gloo", timeout=delta)
-        _async_group = dist.new_group(backend="gloo", timeout=delta)
+            groups.control = dist.new_group(backend="gloo", timeout=delta)
+        groups.asynchronous = dist.new_group(backend="gloo", timeout=delta)
         _register_teardown()
 
 
 def _register_teardown() -> None:
-    global _teardown_registered
-    if not _teardown_registered:
+    groups = _groups()
+    if not groups.teardown_registered:
         atexit.register(_destroy_at_exit)
-        _teardown_registered = True
+        groups.teardown_registered = True
 
 
 def _destroy_at_exit() -> None:
@@ -122,20 +122,20 @@ def _destroy_at_exit() -> None:
     Destroying it here first lets those operations finish. A default group
     the user created is left to them; only the module's own groups go.
     """
-    global _control_group, _async_group
     if not is_initialized():
         return
-    own = [g for g in (_async_group, _control_group) if g is not None and g is not dist.group.WORLD]
+    groups = _groups()
+    own = [g for g in (groups.asynchronous, groups.control) if g is not None and g is not dist.group.WORLD]
     try:
-        for group in [None] if _owns_default_group else own:
+        for group in [None] if groups.owns_default_group else own:
             dist.destroy_process_group(group)
     except Exception:  # best effort: the process is exiting anyway
         logger.debug("destroying the process groups at exit failed", exc_info=True)
-    _control_group = _async_group = None
+    groups.control = groups.asynchronous = None
 
 
 def _require_group() -> Any:
-    if _control_group is None:
+    if _groups().control is None:
         if env.num_replicas() > 1:
             raise RuntimeError(
                 "this job has several replicas (WORLD_SIZE="
@@ -144,7 +144,7 @@ def _require_group() -> Any:
                 "loaders and accumulators may be built before it)"
             )
         return None
-    return _control_group
+    return _groups().control
 
 
 def control_group() -> Any:
@@ -195,9 +195,9 @@ def allreduce_object(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> T
 
 
 def _allreduce_on_async_group(obj: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
-    out: list[Any] = [None] * dist.get_world_size(_async_group)
+    out: list[Any] = [None] * dist.get_world_size(_groups().asynchronous)
     try:
-        dist.all_gather_object(out, obj, group=_async_group)
+        dist.all_gather_object(out, obj, group=_groups().asynchronous)
     except (RuntimeError, dist.DistError) as error:
         raise _wrap_failure("allreduce_async", error) from error
     return functools.reduce(reduce_fn, out)
@@ -209,15 +209,15 @@ def allreduce_async(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> co
     Operations complete in the order they were issued; every replica must issue
     the same sequence.
     """
-    global _async_executor
     future: concurrent.futures.Future = concurrent.futures.Future()
     group = _require_group()
     if _world_size(group) == 1:
         future.set_result(obj)
         return future
-    if _async_executor is None:
-        _async_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptive-async")
-    return _async_executor.submit(_allreduce_on_async_group, obj, reduce_fn)
+    groups = _groups()
+    if groups.executor is None:
+        groups.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptive-async")
+    return groups.executor.submit(_allreduce_on_async_group, obj, reduce_fn)
 
 
 def barrier() -> None:

@@ -29,7 +29,7 @@ import logging
 from typing import Iterator
 
 from adaptive.checkpoint import states
-from adaptive.elastic import dataloader_context
+from adaptive.elastic.job import EpochProgress, current_job
 from adaptive.elastic import env
 from adaptive.elastic import sync_points
 
@@ -60,21 +60,22 @@ class _EpochState(states.State):
         self.ended = bool(state["ended"])
 
 
-_state: _EpochState | None = None
-_looping = False
+def _progress() -> EpochProgress:
+    """This job's epoch loop (see :mod:`adaptive.elastic.job`)."""
+    return current_job().epochs
 
 
 def _epoch_state() -> _EpochState:
-    global _state
-    if _state is None or states.registered_states().count(_state) == 0:
-        _state = _EpochState()
-        states.load_state(_state)
-    return _state
+    progress = _progress()
+    if progress.state is None or progress.state not in states.registered_states():
+        progress.state = _EpochState()
+        states.load_state(progress.state)
+    return progress.state
 
 
 def current_epoch() -> int | None:
     """The epoch being trained, or None outside :func:`remaining_epochs_until`."""
-    return _epoch_state().current if _looping else None
+    return _epoch_state().current if _progress().looping else None
 
 
 def finished_epochs() -> int:
@@ -106,7 +107,7 @@ def finish_training() -> None:
     if state.ended:
         return
     state.ended = True
-    if dataloader_context.current_dataloader() is not None:
+    if current_job().training.loop is not None:
         state.save_pending = True  # saved by the loader, after the step in progress counts as taken
     else:
         _save_finished(state)
@@ -127,10 +128,10 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         epoch: the number of epochs to train in total (an epoch index bound,
             like ``range(epoch)``).
     """
-    global _looping
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"remaining_epochs_until(epoch) needs a non-negative int, got {epoch!r}")
-    if _looping:
+    progress = _progress()
+    if progress.looping:
         raise RuntimeError("remaining_epochs_until loops cannot be nested")
     state = _epoch_state()
     sync_points.install_signal_handlers()
@@ -139,7 +140,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                     state.finished)
     elif state.finished >= epoch:
         logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
-    _looping = True
+    progress.looping = True
     try:
         while state.finished < epoch and not state.ended:
             state.current = state.finished
@@ -158,7 +159,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                 _save_finished(state)
             sync_points.settle(lambda: _epoch_metadata(state))
     finally:
-        _looping = False
+        progress.looping = False
         states.end_epoch()
 
 
@@ -185,9 +186,3 @@ def _epoch_metadata(state: _EpochState) -> dict:
         epoch = state.current if state.current is not None else state.finished
         return dict(sync_points.last_position(), epoch=epoch, epoch_finished=False, training_ended=True)
     return dict(sync_points.last_position(), epoch=state.finished, epoch_finished=True)
-
-
-def _reset_for_tests() -> None:
-    global _state, _looping
-    _state = None
-    _looping = False

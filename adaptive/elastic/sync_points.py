@@ -48,6 +48,7 @@ from adaptive.checkpoint import states
 from adaptive.elastic import collectives
 from adaptive.elastic import env
 from adaptive._utils.files import write_json_atomic
+from adaptive.elastic.job import Agreement, Job, current_job, on_reset
 
 __all__ = [
     "GRACEFUL_EXIT_CODE",
@@ -79,25 +80,18 @@ MAX_SPACING = 1000
 # resumed checkpoint's sequence number and its negation (max and -min: all must be equal).
 _STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ = range(5)
 
-_stop_requested = False
-_stop_signal: int | None = None
-_handlers_installed = False
-_previous_handlers: dict[int, Any] = {}
-_pending: Any = None  # the agreement in flight: (waitable, saves done when it was issued)
-_decided = [0.0, 0.0]  # agreed (stop, checkpoint) not yet acted on
-_started = time.monotonic()
-_spacing = 1  # step boundaries from one agreement to the next (agreed by all replicas)
-_countdown = 0  # step boundaries left until the next agreement
-_agreed_at: float | None = None  # when the last agreement started (monotonic)
-_metadata: Callable[[], dict] = dict  # describes the position of the loop in progress
+
+def _agreement() -> Agreement:
+    """This job's agreement state (see :mod:`adaptive.elastic.job`)."""
+    return current_job().agreement
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    global _stop_requested, _stop_signal
-    if _stop_requested and signum == signal.SIGINT:
+    agreement = _agreement()
+    if agreement.stop_requested and signum == signal.SIGINT:
         raise KeyboardInterrupt
-    _stop_requested = True
-    _stop_signal = signum
+    agreement.stop_requested = True
+    agreement.stop_signal = signum
     logger.warning(
         "received %s: all replicas will stop after the same step, checkpoint and exit",
         signal.Signals(signum).name,
@@ -106,23 +100,22 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def install_signal_handlers() -> None:
     """Turn SIGTERM and SIGINT into a graceful, agreed stop (main thread only)."""
-    global _handlers_installed
-    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+    agreement = _agreement()
+    if agreement.handlers_installed or threading.current_thread() is not threading.main_thread():
         return
     for signum in (signal.SIGTERM, signal.SIGINT):
-        _previous_handlers[signum] = signal.signal(signum, _on_signal)
-    _handlers_installed = True
+        agreement.previous_handlers[signum] = signal.signal(signum, _on_signal)
+    agreement.handlers_installed = True
 
 
 def request_stop() -> None:
     """Ask for a graceful stop from code, as SIGTERM would."""
-    global _stop_requested
-    _stop_requested = True
+    _agreement().stop_requested = True
 
 
 def stop_requested() -> bool:
     """Whether this replica was asked to stop (not yet agreed with the others)."""
-    return _stop_requested
+    return _agreement().stop_requested
 
 
 def _checkpoint_due() -> bool:
@@ -130,15 +123,16 @@ def _checkpoint_due() -> bool:
     if interval <= 0 or env.rank() != 0:
         return False
     since = states.seconds_since_last_save()
-    elapsed = time.monotonic() - _started if since is None else since
+    elapsed = time.monotonic() - _agreement().started if since is None else since
     return elapsed >= interval
 
 
 def _proposed_spacing() -> int:
     """Step boundaries that take about AGREEMENT_INTERVAL at this replica's recent pace."""
-    if _agreed_at is None or env.num_replicas() == 1:
+    agreement = _agreement()
+    if agreement.agreed_at is None or env.num_replicas() == 1:
         return 1
-    per_boundary = (time.monotonic() - _agreed_at) / _spacing
+    per_boundary = (time.monotonic() - agreement.agreed_at) / agreement.spacing
     if per_boundary <= 0:
         return MAX_SPACING
     return max(1, min(MAX_SPACING, round(AGREEMENT_INTERVAL / per_boundary)))
@@ -147,7 +141,7 @@ def _proposed_spacing() -> int:
 def _local_flags() -> list[float]:
     # The max over replicas of minus the spacing is minus the smallest spacing proposed.
     seq = float(states.resumed_seq())
-    return [float(_stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq]
+    return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq]
 
 
 def _issue() -> tuple[Any, int]:
@@ -156,7 +150,7 @@ def _issue() -> tuple[Any, int]:
 
 
 def _settle(pending: tuple[Any, int]) -> list[float]:
-    """Wait for an agreement and fold its decision into ``_decided``."""
+    """Wait for an agreement and fold its decision into ``_agreement().decided``."""
     waitable, saves_then = pending
     try:
         agreed = waitable.result()
@@ -173,16 +167,17 @@ def _settle(pending: tuple[Any, int]) -> list[float]:
             f"{-agreed[_NEG_SEQ]:.0f} to {agreed[_SEQ]:.0f}; -1 is none): every node must see the same "
             f"ADAPTIVE_CHECKPOINT_PATH ({env.checkpoint_path()}) on shared storage"
         )
-    _decided[0] = max(_decided[0], agreed[_STOP])
+    decided = _agreement().decided
+    decided[0] = max(decided[0], agreed[_STOP])
     if saves_then == states.save_count():  # a flag raised before the last save is already served
-        _decided[1] = max(_decided[1], agreed[_CHECKPOINT])
+        decided[1] = max(decided[1], agreed[_CHECKPOINT])
     return agreed
 
 
 def _act(metadata: Callable[[], dict]) -> None:
     """Act on what all replicas agreed: stop (checkpoint, exit 143) or checkpoint."""
-    stop, due = _decided
-    _decided[:] = [0.0, 0.0]
+    stop, due = _agreement().decided
+    _agreement().decided[:] = [0.0, 0.0]
     if stop > 0:
         _stop(dict(metadata(), reason="stop"))
     if due > 0:
@@ -237,13 +232,13 @@ def _write_stop_status(**status: Any) -> None:
 
 def last_position() -> dict:
     """How the loop that last reached a boundary describes its position (for a manifest)."""
-    return dict(_metadata())
+    return dict(_agreement().metadata())
 
 
 def restart_spacing() -> None:
     """Agree at the next boundary and measure the spacing afresh (a new loop, a new batch size)."""
-    global _spacing, _countdown, _agreed_at
-    _spacing, _countdown, _agreed_at = 1, 0, None
+    agreement = _agreement()
+    agreement.spacing, agreement.countdown, agreement.agreed_at = 1, 0, None
 
 
 def step_boundary(metadata: Callable[[], dict]) -> None:
@@ -254,18 +249,18 @@ def step_boundary(metadata: Callable[[], dict]) -> None:
     on this one's; other boundaries return at once.  ``metadata`` describes
     the position for the checkpoint's manifest (epoch, step, ...).
     """
-    global _pending, _countdown, _spacing, _agreed_at, _metadata
-    _metadata = metadata
-    if _countdown > 1:
-        _countdown -= 1
+    agreement = _agreement()
+    agreement.metadata = metadata
+    if agreement.countdown > 1:
+        agreement.countdown -= 1
         return
-    previous, _pending = _pending, _issue()
-    _agreed_at = time.monotonic()
+    previous, agreement.pending = agreement.pending, _issue()
+    agreement.agreed_at = time.monotonic()
     if previous is not None:
         agreed = _settle(previous)
-        _spacing = max(1, int(-agreed[_SPACING]))
+        agreement.spacing = max(1, int(-agreed[_SPACING]))
     _act(metadata)
-    _countdown = _spacing
+    agreement.countdown = agreement.spacing
 
 
 def settle(metadata: Callable[[], dict] | None = None) -> None:
@@ -275,12 +270,12 @@ def settle(metadata: Callable[[], dict] | None = None) -> None:
     and at the end of every epoch.  ``metadata`` defaults to the position the
     last loop described.
     """
-    global _pending, _countdown
-    previous, _pending, _countdown = _pending, None, 0
+    agreement = _agreement()
+    previous, agreement.pending, agreement.countdown = agreement.pending, None, 0
     if previous is not None:
         _settle(previous)
     _settle(_issue())
-    _act(metadata or _metadata)
+    _act(metadata or agreement.metadata)
 
 
 def final_boundary(metadata: Callable[[], dict]) -> None:
@@ -290,27 +285,24 @@ def final_boundary(metadata: Callable[[], dict]) -> None:
     on here: the loop is finished, and stopping now would skip the code after
     the loop on replay.  The decision waits for the next settle point.
     """
-    global _pending, _metadata
-    _metadata = metadata
-    previous, _pending = _pending, None
+    agreement = _agreement()
+    agreement.metadata = metadata
+    previous, agreement.pending = agreement.pending, None
     if previous is not None:
         _settle(previous)
     restart_spacing()
 
 
-def _reset_for_tests() -> None:
-    global _stop_requested, _stop_signal, _pending, _started, _handlers_installed, _metadata
-    if _handlers_installed and threading.current_thread() is threading.main_thread():
-        for signum, handler in _previous_handlers.items():
+def _restore_signal_handlers(job: Job) -> None:
+    """Give back the signal handlers a reset job had installed (see :func:`adaptive.elastic.job.reset_job`)."""
+    agreement = job.agreement
+    if agreement.handlers_installed and threading.current_thread() is threading.main_thread():
+        for signum, handler in agreement.previous_handlers.items():
             signal.signal(signum, handler)
-        _handlers_installed = False
-    _stop_requested = False
-    _stop_signal = None
-    _pending = None
-    _decided[:] = [0.0, 0.0]
-    _metadata = dict
-    _started = time.monotonic()
-    restart_spacing()
+        agreement.handlers_installed = False
+
+
+on_reset(_restore_signal_handlers)
 
 
 # A worker that adaptive-run starts forgets, first thing, what an earlier worker on its local

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -28,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.checkpoint import states
 from adaptive.elastic import collectives
-from adaptive.elastic import dataloader_context
+from adaptive.elastic.job import current_job
 from adaptive.elastic import env
 from adaptive.elastic import sync_points
 from adaptive.batchsize.gns import GradientNoiseScale
@@ -167,9 +166,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         _skip_during_accumulation(optimizer, "zero_grad", _is_continuing_accumulation)
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer,
                                                  lr_scheduler, scaler, self.gns, self.scaling_rule)
-        global _current_model
-        _current_model = self
-        _live_models.add(self)
+        training = current_job().training  # the loader configures and reads every model it trains
+        training.model = self
+        training.models.add(self)
         sync_points.install_signal_handlers()
         if states.load_state(self._state) and env.rank() == 0:
             logger.info("restored model, optimizer%s%s from the checkpoint",
@@ -216,28 +215,14 @@ class AdaptiveDataParallel(DistributedDataParallel):
         return env.num_replicas() * micro_steps
 
 
-_current_model: AdaptiveDataParallel | None = None
-_live_models: "weakref.WeakSet[AdaptiveDataParallel]" = weakref.WeakSet()
-
-
-def current_model() -> AdaptiveDataParallel | None:
-    """The most recently created AdaptiveDataParallel (the loader reads its statistics)."""
-    return _current_model
-
-
-def live_models() -> list[AdaptiveDataParallel]:
-    """Every AdaptiveDataParallel still in use (a loader's step configures all of them)."""
-    return list(_live_models)
-
-
 def _loader_lr_factor() -> float:
     """The running loader's LR factor for the current step (1 outside loader loops)."""
-    loader = dataloader_context.current_dataloader()
+    loader = current_job().training.loop
     return 1.0 if loader is None else loader.lr_factor
 
 
 def _micro_step() -> tuple[int, int] | None:
-    loader = dataloader_context.current_dataloader()
+    loader = current_job().training.loop
     return None if loader is None else loader.micro_step
 
 

@@ -16,7 +16,6 @@ import logging
 import signal
 import sys
 import threading
-from typing import List, Optional
 
 from scheduler.cluster import ClusterSpec
 from scheduler.executor.executor import Executor, JobState
@@ -96,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

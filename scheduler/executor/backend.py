@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from scheduler.executor.jobspec import JobSpec
 
@@ -20,8 +20,8 @@ from scheduler.executor.jobspec import JobSpec
 class Assignment:
     """Where one incarnation runs: per replica, its node and device on that node."""
 
-    nodes: Tuple[int, ...]
-    devices: Tuple[int, ...]
+    nodes: tuple[int, ...]
+    devices: tuple[int, ...]
 
     def __post_init__(self) -> None:
         if len(self.nodes) != len(self.devices) or not self.nodes:
@@ -44,7 +44,7 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def poll(self, handle: Any) -> Optional[int]:
+    def poll(self, handle: Any) -> int | None:
         """Exit code if the incarnation has ended, else ``None``."""
 
     @abc.abstractmethod

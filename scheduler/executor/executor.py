@@ -23,8 +23,9 @@ import enum
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from adaptive._utils.files import read_json
 from scheduler.allocator import Allocator
@@ -56,22 +57,22 @@ class ManagedJob:
     submitted_at: float
     state: JobState = JobState.PENDING
     handle: Any = None
-    assignment: Optional[Assignment] = None
+    assignment: Assignment | None = None
     target: Allocation = ()
     launches: int = 0
     failures: int = 0
-    last_exit: Optional[int] = None
+    last_exit: int | None = None
     stop_deadline: float = 0.0
     not_before: float = 0.0
-    finished_at: Optional[float] = None
+    finished_at: float | None = None
     hints_mtime: float = 0.0
-    progress: Optional[float] = None
+    progress: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.state in (JobState.SUCCEEDED, JobState.FAILED)
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         return {"name": self.spec.name, "state": self.state.value,
                 "replicas": self.assignment.num_replicas if self.assignment else 0,
                 "target_replicas": len(self.target), "launches": self.launches,
@@ -95,7 +96,7 @@ class Executor:
     """
 
     def __init__(self, backend: Backend, policy: Policy, cluster: ClusterSpec,
-                 state: Optional[SupervisorState] = None, interval: float = 60.0,
+                 state: SupervisorState | None = None, interval: float = 60.0,
                  grace_period: float = 120.0, clock: Callable[[], float] = time.time):
         if interval <= 0 or grace_period <= 0:
             raise ValueError(f"interval and grace_period must be > 0 s, got {interval}, {grace_period}")
@@ -106,7 +107,7 @@ class Executor:
         self.interval = float(interval)
         self.grace_period = float(grace_period)
         self.clock = clock
-        self.jobs: Dict[str, ManagedJob] = {}
+        self.jobs: dict[str, ManagedJob] = {}
         self._next_round = 0.0
         self._dirty = False
 
@@ -137,7 +138,7 @@ class Executor:
         """All submitted jobs have succeeded or failed."""
         return all(job.finished for job in self.jobs.values())
 
-    def status(self) -> List[Dict[str, Any]]:
+    def status(self) -> list[dict[str, Any]]:
         """One dict per job, in submission order."""
         return [job.status() for job in self.jobs.values()]
 
@@ -237,21 +238,21 @@ class Executor:
             job.handle = self.backend.launch(job.spec, assignment, job.launches)
             job.state = JobState.RUNNING
 
-    def _free_devices(self) -> Dict[int, List[int]]:
+    def _free_devices(self) -> dict[int, list[int]]:
         used = {(n, d) for j in self.jobs.values() if j.assignment is not None
                 for n, d in zip(j.assignment.nodes, j.assignment.devices)}
         return {n: [d for d in range(self.cluster.gpus_per_node) if (n, d) not in used]
                 for n in range(self.cluster.num_nodes)}
 
     @staticmethod
-    def _assign(target: Allocation, free: Dict[int, List[int]]) -> Optional[Assignment]:
+    def _assign(target: Allocation, free: dict[int, list[int]]) -> Assignment | None:
         """Devices for ``target`` (node per replica) from ``free``, taken out of it; ``None`` if busy."""
-        need: Dict[int, int] = {}
+        need: dict[int, int] = {}
         for node in target:
             need[node] = need.get(node, 0) + 1
         if any(len(free[n]) < k for n, k in need.items()):
             return None
-        devices: List[Tuple[int, int]] = []
+        devices: list[tuple[int, int]] = []
         for node, count in sorted(need.items()):
             devices.extend((node, d) for d in free[node][:count])
             del free[node][:count]

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 import yaml
 
@@ -36,11 +37,11 @@ class JobSpec:
     """A job the executor runs: command, replica limits, checkpoint directory."""
 
     name: str
-    command: Tuple[str, ...]
+    command: tuple[str, ...]
     checkpoint_dir: str
     min_replicas: int = 1
     max_replicas: int = 1
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     preemptible: bool = True
     max_failures: int = 3
 
@@ -60,7 +61,7 @@ class JobSpec:
             raise ValueError(f"job {self.name!r}: env must map strings to strings")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], base_dir: Optional[str] = None) -> "JobSpec":
+    def from_dict(cls, data: Mapping[str, Any], base_dir: str | None = None) -> "JobSpec":
         """Validate a parsed spec; relative ``checkpoint_dir`` is resolved against ``base_dir``."""
         if not isinstance(data, Mapping):
             raise ValueError(f"job spec must be a mapping, got {type(data).__name__}")
@@ -96,11 +97,11 @@ class JobSpec:
         return os.path.join(self.checkpoint_dir, "share")
 
     @property
-    def hints_paths(self) -> Tuple[str, str]:
+    def hints_paths(self) -> tuple[str, str]:
         """Where the job may write its ``hints.json`` (checkpoint folder, share folder)."""
         return (os.path.join(self.checkpoint_dir, "hints.json"), os.path.join(self.share_dir, "hints.json"))
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "command": list(self.command), "checkpoint_dir": self.checkpoint_dir,
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "env": dict(self.env),
                 "preemptible": self.preemptible, "max_failures": self.max_failures}

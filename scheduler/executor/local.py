@@ -19,8 +19,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 from scheduler.executor.backend import Assignment, Backend
 from scheduler.executor.jobspec import JobSpec
@@ -50,12 +50,12 @@ class LocalBackend(Backend):
         cuda: map slots to ``CUDA_VISIBLE_DEVICES``.
     """
 
-    def __init__(self, log_dir: str, launcher: Optional[Sequence[str]] = None, cuda: bool = False):
+    def __init__(self, log_dir: str, launcher: Sequence[str] | None = None, cuda: bool = False):
         self.log_dir = log_dir
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "adaptive.elastic.launcher"]
         self.cuda = cuda
 
-    def command(self, spec: JobSpec, num_replicas: int) -> List[str]:
+    def command(self, spec: JobSpec, num_replicas: int) -> list[str]:
         """The full command line of one incarnation."""
         return [*self.launcher, "--standalone", f"--nproc-per-node={num_replicas}", *spec.command]
 
@@ -80,7 +80,7 @@ class LocalBackend(Backend):
                     log_path)
         return LocalHandle(process, log_path)
 
-    def poll(self, handle: LocalHandle) -> Optional[int]:
+    def poll(self, handle: LocalHandle) -> int | None:
         code = handle.process.poll()
         if code is not None and code < 0:
             return 128 - code  # killed by signal N -> 128 + N, as a shell reports it

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import yaml
 
@@ -53,7 +53,7 @@ class Spool:
         os.replace(tmp, os.path.join(self.inbox, spec.name + ".yaml"))
         return spec
 
-    def take_new(self) -> List[JobSpec]:
+    def take_new(self) -> list[JobSpec]:
         """Specs waiting in the inbox, moved to ``jobs/`` (bad ones to ``rejected/``)."""
         specs = []
         for fname in sorted(os.listdir(self.inbox)):
@@ -72,7 +72,7 @@ class Spool:
             specs.append(spec)
         return specs
 
-    def accepted_specs(self) -> List[JobSpec]:
+    def accepted_specs(self) -> list[JobSpec]:
         """Every accepted spec (to resume after an executor restart)."""
         return [load_job_spec(os.path.join(self.accepted, f))
                 for f in sorted(os.listdir(self.accepted)) if f.endswith(".yaml")]
@@ -84,10 +84,10 @@ class Spool:
         with open(target + ".reason", "w", encoding="utf-8") as f:
             f.write(reason + "\n")
 
-    def write_status(self, jobs: List[Dict[str, Any]], **extra: Any) -> None:
+    def write_status(self, jobs: list[dict[str, Any]], **extra: Any) -> None:
         write_json_atomic(self.status_path, {"jobs": jobs, **extra})
 
-    def read_status(self) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    def read_status(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """``(jobs, extra fields)`` from the last status file (empty if none yet)."""
         if not os.path.exists(self.status_path):
             return [], {}

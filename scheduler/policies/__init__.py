@@ -1,14 +1,20 @@
-"""Allocation policies: ``goodput`` (ours), ``tiresias`` and ``optimus`` baselines."""
+"""Allocation policies and their registry: ``goodput`` (ours) and the ``tiresias`` baseline.
+
+:data:`POLICIES` maps each registered name to its class and
+:func:`make_policy` builds one by name.  (The Optimus numbers quoted by
+``benchmarks/bench_scheduler.py`` are the published ones; no Optimus policy
+is implemented here.)
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Type
+from typing import Any
 
 from scheduler.policies.base import Policy
 from scheduler.policies.goodput import GoodputPolicy
 from scheduler.policies.tiresias import TiresiasPolicy
 
-POLICIES: Dict[str, Type[Policy]] = {
+POLICIES: dict[str, type[Policy]] = {
     GoodputPolicy.name: GoodputPolicy,
     TiresiasPolicy.name: TiresiasPolicy,
 }

@@ -8,7 +8,7 @@ touches jobs itself: the simulator and the executor apply its decisions.
 from __future__ import annotations
 
 import abc
-from typing import Dict, Mapping
+from collections.abc import Mapping
 
 from scheduler.cluster import Allocation, ClusterSpec
 from scheduler.job_info import JobInfo
@@ -32,7 +32,7 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def optimize(self, jobs: Mapping[str, JobInfo], cluster: ClusterSpec,
-                 current: Mapping[str, Allocation], now: float) -> Dict[str, Allocation]:
+                 current: Mapping[str, Allocation], now: float) -> dict[str, Allocation]:
         """Allocations for the next round.
 
         Args:

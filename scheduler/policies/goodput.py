@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class GoodputPolicy(Policy):
 
     # ----------------------------------------------------------------- public
     def optimize(self, jobs: Mapping[str, JobInfo], cluster: ClusterSpec,
-                 current: Mapping[str, Allocation], now: float) -> Dict[str, Allocation]:
+                 current: Mapping[str, Allocation], now: float) -> dict[str, Allocation]:
         current = {n: tuple(a) for n, a in current.items() if n in jobs and a}
         pinned = {n: a for n, a in current.items() if jobs[n].is_pinned(a)}
         names = sorted((n for n in jobs if n not in pinned),
@@ -227,7 +227,7 @@ def _local_search(utility: np.ndarray, counts: np.ndarray, caps: np.ndarray, cap
 
 
 def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Allocation],
-           free: Sequence[int], gpus_per_node: int) -> Tuple[Dict[str, Allocation], Dict[int, int]]:
+           free: Sequence[int], gpus_per_node: int) -> tuple[dict[str, Allocation], dict[int, int]]:
     """Assign nodes for the chosen counts.
 
     Returns the allocations and, for jobs that did not fit, the most
@@ -235,7 +235,7 @@ def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Alloc
     """
     free = list(free)
     multi_nodes = set()
-    placed: Dict[str, Allocation] = {}
+    placed: dict[str, Allocation] = {}
     for name, count in zip(names, counts):
         held = current.get(name, ())
         if count > 0 and len(held) == count:
@@ -244,7 +244,7 @@ def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Alloc
                 free[node] -= 1
             if num_nodes_of(held) > 1:
                 multi_nodes.update(held)
-    shortfall: Dict[int, int] = {}
+    shortfall: dict[int, int] = {}
     order = sorted((i for i, n in enumerate(names) if counts[i] > 0 and n not in placed),
                    key=lambda i: (-counts[i], i))
     for i in order:
@@ -260,7 +260,7 @@ def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Alloc
     return placed, shortfall
 
 
-def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) -> Optional[Allocation]:
+def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) -> Allocation | None:
     """Nodes for a job of ``count`` replicas, or ``None`` if it does not fit.
 
     A job that fits on one node is never split (its speedup was computed for
@@ -276,7 +276,7 @@ def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) 
     eligible = [n for n in range(len(free)) if free[n] > 0 and n not in multi_nodes]
     if sum(free[n] for n in eligible) < count:
         return None
-    nodes: List[int] = []
+    nodes: list[int] = []
     for n in sorted(eligible, key=lambda n: (-free[n], n)):
         if len(nodes) + free[n] > count:
             continue

@@ -6,7 +6,7 @@ given the free GPUs per node.
 
 from __future__ import annotations
 
-from typing import List, MutableSequence
+from collections.abc import MutableSequence
 
 from scheduler.cluster import Allocation, make_allocation
 
@@ -22,7 +22,7 @@ def take_most_free(count: int, free: MutableSequence[int]) -> Allocation:
     """
     if count > sum(free):
         raise ValueError(f"cannot take {count} GPUs: only {sum(free)} free")
-    nodes: List[int] = []
+    nodes: list[int] = []
     while len(nodes) < count:
         node = max(range(len(free)), key=lambda i: (free[i], -i))
         take = min(free[node], count - len(nodes))

@@ -14,7 +14,7 @@ most free GPUs, and jobs not admitted are preempted.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Mapping
+from collections.abc import Mapping
 
 from scheduler.cluster import Allocation, ClusterSpec, free_gpus
 from scheduler.job_info import JobInfo
@@ -41,11 +41,11 @@ class TiresiasPolicy(Policy):
         if queue_threshold <= 0:
             raise ValueError(f"queue_threshold must be > 0, got {queue_threshold}")
         self.queue_threshold = float(queue_threshold)
-        self._arrival: Dict[str, int] = {}
-        self._demoted: Dict[str, int] = {}
+        self._arrival: dict[str, int] = {}
+        self._demoted: dict[str, int] = {}
         self._seq = 0
 
-    def _queues(self, jobs: Mapping[str, JobInfo]) -> List[str]:
+    def _queues(self, jobs: Mapping[str, JobInfo]) -> list[str]:
         """Job names in priority order: high queue, then low queue."""
         self._arrival = {k: v for k, v in self._arrival.items() if k in jobs}
         self._demoted = {k: v for k, v in self._demoted.items() if k in jobs}
@@ -65,7 +65,7 @@ class TiresiasPolicy(Policy):
         return self._seq
 
     def optimize(self, jobs: Mapping[str, JobInfo], cluster: ClusterSpec,
-                 current: Mapping[str, Allocation], now: float) -> Dict[str, Allocation]:
+                 current: Mapping[str, Allocation], now: float) -> dict[str, Allocation]:
         order = self._queues(jobs)
         pinned = {n: tuple(current[n]) for n in order if jobs[n].is_pinned(tuple(current.get(n, ())))}
         budget = cluster.total_gpus - sum(len(a) for a in pinned.values())
@@ -77,7 +77,7 @@ class TiresiasPolicy(Policy):
             if need <= budget:
                 admitted.append(name)
                 budget -= need
-        allocations: Dict[str, Allocation] = dict(pinned)
+        allocations: dict[str, Allocation] = dict(pinned)
         for name in admitted:
             alloc = tuple(current.get(name, ()))
             if len(alloc) == jobs[name].max_replicas:

@@ -15,7 +15,7 @@ job behaves like a job using the adaptive loader:
 * it learns its throughput model online: on every (nodes, replicas) it has
   run on, it knows the step times at the measured local batch sizes (a
   real job profiles the batch sizes it tries there), and its model is
-  :func:`adaptive.batchsize.goodput.fit_perf_params` over those measurements. The
+  :func:`adaptive.batchsize.throughput_fit.fit_perf_params` over those measurements. The
   fit depends only on the model and the set of (nodes, replicas) visited,
   so :class:`ThroughputModels` shares it between jobs;
 * it reports the gradient statistics of its current batch size and epoch;
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, FrozenSet, Optional, Tuple
 
 import numpy as np
 
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
+from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
+from adaptive.batchsize.throughput_fit import fit_perf_params
 from scheduler.cluster import Allocation, num_nodes_of, placement_of
 from scheduler.profiles import ModelProfile
 from scheduler.sim.workload import WorkloadJob
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #: A new batch size must raise predicted goodput by this much to be adopted.
 HYSTERESIS = 0.05
 
-_Visited = FrozenSet[Tuple[int, int]]
+_Visited = frozenset[tuple[int, int]]
 
 
 class ThroughputModels:
@@ -55,9 +55,9 @@ class ThroughputModels:
     """
 
     def __init__(self) -> None:
-        self._fits: Dict[Tuple[str, _Visited], PerfParams] = {}
+        self._fits: dict[tuple[str, _Visited], PerfParams] = {}
 
-    def get(self, profile: ModelProfile, visited: _Visited, initial: Optional[PerfParams] = None) -> PerfParams:
+    def get(self, profile: ModelProfile, visited: _Visited, initial: PerfParams | None = None) -> PerfParams:
         key = (profile.name, visited)
         params = self._fits.get(key)
         if params is None:
@@ -87,7 +87,7 @@ class SimulatedJob:
     """
 
     def __init__(self, spec: WorkloadJob, profile: ModelProfile, adaptive: bool,
-                 restart_penalty: float, models: Optional[ThroughputModels] = None):
+                 restart_penalty: float, models: ThroughputModels | None = None):
         if restart_penalty < 0:
             raise ValueError(f"restart_penalty must be >= 0, got {restart_penalty}")
         self.spec = spec
@@ -100,13 +100,13 @@ class SimulatedJob:
         self.epoch = 0
         self.progress = 0.0
         self.attained_service = 0.0
-        self.completion_time: Optional[float] = None
+        self.completion_time: float | None = None
         self.num_starts = 0
         self._restart_left = 0.0
-        self._placement: Tuple[int, ...] = ()
+        self._placement: tuple[int, ...] = ()
         self._models = models if models is not None else ThroughputModels()
         self._visited: _Visited = frozenset()
-        self._perf: Optional[PerfParams] = None
+        self._perf: PerfParams | None = None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -140,16 +140,16 @@ class SimulatedJob:
         return max((r for _, r in self._visited), default=0)
 
     @property
-    def perf_params(self) -> Optional[PerfParams]:
+    def perf_params(self) -> PerfParams | None:
         """Throughput model learned so far (``None`` before the job first ran)."""
         return self._perf
 
-    def grad_stats(self) -> Tuple[float, float]:
+    def grad_stats(self) -> tuple[float, float]:
         """Gradient (sqr, var) the job currently measures (var relative to the initial batch)."""
         batch = self.batch_size or self.profile.init_batch_size
         return self.profile.grad_stats(batch, self.epoch)
 
-    def goodput_function(self) -> Optional[GoodputFunction]:
+    def goodput_function(self) -> GoodputFunction | None:
         """The job's goodput model as it would report it, or ``None``."""
         perf = self.perf_params
         if perf is None:
@@ -235,7 +235,7 @@ class SimulatedJob:
                 return
         self.local_bsz, self.accum_steps = int(local), max(int(accum), 1)
 
-    def _fixed_config(self) -> Tuple[int, int]:
+    def _fixed_config(self) -> tuple[int, int]:
         """Split the tuned global batch over replicas and micro-batches."""
         prof, replicas = self.profile, self.num_replicas
         local = math.ceil(self.spec.batch_size / replicas)

@@ -5,7 +5,7 @@ of each round (``t = 0, interval, 2 * interval, ...``) the policy sees the
 jobs submitted so far and not finished, and returns allocations; jobs
 whose allocation changed are restarted (``restart_penalty`` seconds without
 progress); then every job runs for the round at the speed its measured
-profile gives (:mod:`scheduler.sim_job`). A job's completion time (JCT) is
+profile gives (:mod:`scheduler.sim.job`). A job's completion time (JCT) is
 its finish time minus its submission time, so it includes the wait for the
 next round. The makespan is the last finish time minus the first
 submission time.
@@ -21,8 +21,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -43,13 +44,13 @@ class SimulationResult:
     """Outcome of one simulated workload."""
 
     policy: str
-    jct: Dict[str, float]
+    jct: dict[str, float]
     makespan: float
     num_rounds: int
     wall_time: float
-    decision_times: List[float] = field(repr=False, default_factory=list)
-    restarts: Dict[str, int] = field(repr=False, default_factory=dict)
-    timeline: List[Tuple[float, Dict[str, int]]] = field(repr=False, default_factory=list)
+    decision_times: list[float] = field(repr=False, default_factory=list)
+    restarts: dict[str, int] = field(repr=False, default_factory=dict)
+    timeline: list[tuple[float, dict[str, int]]] = field(repr=False, default_factory=list)
 
     @property
     def jobs(self) -> int:
@@ -63,10 +64,10 @@ class SimulationResult:
     def p99_jct(self) -> float:
         return float(np.percentile(list(self.jct.values()), 99))
 
-    def to_dict(self, include_timeline: bool = False) -> Dict[str, Any]:
+    def to_dict(self, include_timeline: bool = False) -> dict[str, Any]:
         """JSON-ready summary (``jct`` per job; timeline on request)."""
         times = np.array(self.decision_times or [0.0])
-        out: Dict[str, Any] = {
+        out: dict[str, Any] = {
             "policy": self.policy,
             "jobs": self.jobs,
             "avg_jct": self.avg_jct,
@@ -102,9 +103,9 @@ class Simulator:
     """
 
     def __init__(self, workload: Sequence[WorkloadJob], profiles: Mapping[str, ModelProfile],
-                 policy: Policy, cluster: Optional[ClusterSpec] = None, interval: float = 60.0,
+                 policy: Policy, cluster: ClusterSpec | None = None, interval: float = 60.0,
                  restart_penalty: float = 30.0, max_time: float = 60 * 86400.0,
-                 record_timeline: bool = False, throughput_models: Optional[ThroughputModels] = None):
+                 record_timeline: bool = False, throughput_models: ThroughputModels | None = None):
         if interval <= 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
         if restart_penalty < 0:
@@ -130,9 +131,9 @@ class Simulator:
         """Simulate until every job is done."""
         started = time.perf_counter()
         now, rounds = 0.0, 0
-        allocations: Dict[str, Allocation] = {}
-        decision_times: List[float] = []
-        timeline: List[Tuple[float, Dict[str, int]]] = []
+        allocations: dict[str, Allocation] = {}
+        decision_times: list[float] = []
+        timeline: list[tuple[float, dict[str, int]]] = []
         while not all(job.done for job in self.jobs):
             if now > self.max_time:
                 left = [j.name for j in self.jobs if not j.done]
@@ -196,7 +197,7 @@ def resolve_workload(path: str) -> str:
 
 def run_simulation(workload: str, policy: str, traces: str = DEFAULT_TRACES_DIR,
                    interval: float = 60.0, restart_penalty: float = 30.0,
-                   cluster: Optional[ClusterSpec] = None, seed: int = 0,
+                   cluster: ClusterSpec | None = None, seed: int = 0,
                    record_timeline: bool = False) -> SimulationResult:
     """Load inputs, simulate, return the result (the CLI without printing).
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import csv
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class WorkloadJob:
             raise ValueError(f"job {self.name!r}: batch_size must be >= 1, got {self.batch_size}")
 
 
-def load_workload(path: str, applications: Optional[Iterable[str]] = None) -> List[WorkloadJob]:
+def load_workload(path: str, applications: Iterable[str] | None = None) -> list[WorkloadJob]:
     """Read a workload CSV, sorted by submission time (stable).
 
     Args:

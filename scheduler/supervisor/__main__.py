@@ -18,7 +18,6 @@ import secrets
 import signal
 import sys
 import threading
-from typing import List, Optional
 
 from scheduler.allocator import Allocator
 from scheduler.cluster import ClusterSpec
@@ -29,7 +28,7 @@ from scheduler.supervisor.state import SupervisorState
 logger = logging.getLogger("scheduler.supervisor")
 
 
-def load_or_create_token(token_file: Optional[str], state_path: str) -> str:
+def load_or_create_token(token_file: str | None, state_path: str) -> str:
     """The shared token: from ``token_file``, ``$SCHEDULER_TOKEN``, or a new one saved beside the state."""
     if token_file:
         with open(token_file, encoding="utf-8") as f:
@@ -61,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.interval <= 0:

@@ -6,7 +6,8 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from typing import Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 from scheduler.cluster import Allocation
 
@@ -60,8 +61,8 @@ class SupervisorClient:
         return self._request("GET", "/v1/health") == {"status": "ok"}
 
     def register_job(self, job_id: str, min_replicas: int = 0, max_replicas: int = 1,
-                     preemptible: bool = True, submission_time: Optional[float] = None) -> Dict[str, Any]:
-        spec: Dict[str, Any] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                     preemptible: bool = True, submission_time: float | None = None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
                                 "preemptible": preemptible}
         if submission_time is not None:
             spec["submission_time"] = submission_time
@@ -70,17 +71,17 @@ class SupervisorClient:
     def remove_job(self, job_id: str) -> None:
         self._request("DELETE", f"/v1/jobs/{job_id}")
 
-    def jobs(self) -> Dict[str, Any]:
+    def jobs(self) -> dict[str, Any]:
         return self._request("GET", "/v1/jobs")["jobs"]
 
     def post_hints(self, job_id: str, hints: Mapping[str, Any]) -> None:
         """Report hints (a dict in the ``adaptive.batchsize.hints`` format)."""
         self._request("POST", f"/v1/jobs/{job_id}/hints", dict(hints))
 
-    def get_hints(self, job_id: str) -> Optional[Dict[str, Any]]:
+    def get_hints(self, job_id: str) -> dict[str, Any] | None:
         return self._request("GET", f"/v1/jobs/{job_id}/hints")["hints"]
 
-    def get_allocation(self, job_id: str) -> Tuple[Allocation, int]:
+    def get_allocation(self, job_id: str) -> tuple[Allocation, int]:
         """``(allocation, version)``: node index per replica, and the decision number."""
         body = self._request("GET", f"/v1/jobs/{job_id}/allocation")
         return tuple(body["allocation"]), int(body["version"])

@@ -7,7 +7,7 @@ Endpoints (JSON bodies; every one but ``/v1/health`` needs the header
     GET    /v1/jobs                      {"jobs": {id: record}}
     PUT    /v1/jobs/<id>                 register: {"min_replicas", "max_replicas", "preemptible", "submission_time"}
     DELETE /v1/jobs/<id>                 forget a job
-    POST   /v1/jobs/<id>/hints           report hints (adaptive.hints JSON; its job_id must be <id>)
+    POST   /v1/jobs/<id>/hints           report hints (adaptive.batchsize.hints JSON; its job_id must be <id>)
     GET    /v1/jobs/<id>/hints           the latest hints, or null
     GET    /v1/jobs/<id>/allocation      {"job_id", "allocation": [node, ...], "num_replicas", "version"}
 
@@ -26,7 +26,7 @@ import re
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from scheduler.supervisor.state import SupervisorState, validate_job_id
 
@@ -99,7 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"body is not valid JSON: {exc}") from None
 
-    def _route(self) -> Tuple[str, Optional[str]]:
+    def _route(self) -> tuple[str, str | None]:
         """``(kind, job_id)``: kind is health, jobs, job, hints or allocation."""
         path = self.path.split("?", 1)[0]
         if path == "/v1/health":
@@ -187,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: Tuple[str, int], state: SupervisorState, token: bytes):
+    def __init__(self, address: tuple[str, int], state: SupervisorState, token: bytes):
         self.state = state
         self.token = token
         super().__init__(address, _Handler)
@@ -208,7 +208,7 @@ class SupervisorServer:
         if not isinstance(token, str) or len(token.strip()) < 16:
             raise ValueError("token must be a string of at least 16 characters")
         self._server = _Server((host, port), state, token.strip().encode("utf-8"))
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         if host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("supervisor listening on %s: reachable from other machines", host)
 

@@ -15,8 +15,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any
 
 from adaptive._utils.files import read_json, write_json_atomic
 from scheduler.cluster import Allocation, make_allocation
@@ -51,7 +52,7 @@ class JobRecord:
     max_replicas: int = 1
     preemptible: bool = True
     submission_time: float = 0.0
-    hints: Optional[Dict[str, Any]] = None
+    hints: dict[str, Any] | None = None
     allocation: Allocation = ()
     attained_service: float = 0.0
     num_restarts: int = 0
@@ -77,7 +78,7 @@ class JobRecord:
             raise ValueError(f"submission_time must be a finite number, got {submitted!r}")
         return cls(validate_job_id(job_id), low, high, preemptible, float(submitted))
 
-    def public(self) -> Dict[str, Any]:
+    def public(self) -> dict[str, Any]:
         """JSON view (what ``GET /v1/jobs`` shows)."""
         out = asdict(self)
         out["allocation"] = list(self.allocation)
@@ -86,7 +87,7 @@ class JobRecord:
 
 @dataclass
 class _Snapshot:
-    jobs: Dict[str, JobRecord] = field(default_factory=dict)
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
     version: int = 0
     updated: float = 0.0
 
@@ -98,11 +99,11 @@ class SupervisorState:
         path: JSON file to persist to (``None``: in memory only). Loaded if it
             exists; a corrupt file is an error rather than silently dropped.
         hints_parser: turns a hints dict into a validated object with
-            ``to_dict()`` (default :meth:`adaptive.batchsize.hints.Hints.from_dict`).
+            ``state_dict()`` (default :meth:`adaptive.batchsize.hints.Hints.from_state_dict`).
         clock: time source (seconds).
     """
 
-    def __init__(self, path: Optional[str] = None, hints_parser: Any = None, clock: Any = time.time):
+    def __init__(self, path: str | None = None, hints_parser: Any = None, clock: Any = time.time):
         self._hints_parser = hints_parser
         self._clock = clock
         self._path = path
@@ -115,7 +116,7 @@ class SupervisorState:
         if self._hints_parser is None:
             from adaptive.batchsize.hints import Hints  # the job-side format; imported on first use
 
-            self._hints_parser = Hints.from_dict
+            self._hints_parser = Hints.from_state_dict
         return self._hints_parser(data)
 
     # ------------------------------------------------------------ persistence
@@ -127,7 +128,7 @@ class SupervisorState:
         for job_id, raw in data.get("jobs", {}).items():
             record = JobRecord.from_spec(job_id, {k: raw[k] for k in JobRecord.SPEC_KEYS if k in raw}, 0.0)
             if raw.get("hints") is not None:
-                record.hints = self._parse_hints(raw["hints"]).to_dict()
+                record.hints = self._parse_hints(raw["hints"]).state_dict()
             record.allocation = make_allocation(raw.get("allocation", ()))
             record.attained_service = float(raw.get("attained_service", 0.0))
             record.num_restarts = int(raw.get("num_restarts", 0))
@@ -171,7 +172,7 @@ class SupervisorState:
                 raise KeyError(job_id)
             self._save()
 
-    def jobs(self) -> Dict[str, JobRecord]:
+    def jobs(self) -> dict[str, JobRecord]:
         """A copy of every job record."""
         with self._lock:
             return copy.deepcopy(self._state.jobs)
@@ -185,7 +186,7 @@ class SupervisorState:
     def update_hints(self, job_id: str, hints: Mapping[str, Any]) -> None:
         """Validate and store a job's hints (``KeyError`` for unknown jobs)."""
         parsed = self._parse_hints(dict(hints))
-        as_dict = parsed.to_dict()
+        as_dict = parsed.state_dict()
         if as_dict.get("job_id") != job_id:
             raise ValueError(f"hints job_id {as_dict.get('job_id')!r} does not match job {job_id!r}")
         with self._lock:
@@ -200,7 +201,7 @@ class SupervisorState:
         return None if raw is None else self._parse_hints(raw)
 
     # ------------------------------------------------------------ allocations
-    def set_allocations(self, allocations: Mapping[str, Allocation], now: Optional[float] = None) -> int:
+    def set_allocations(self, allocations: Mapping[str, Allocation], now: float | None = None) -> int:
         """Record the policy's decision; returns the new allocation version.
 
         Service since the last decision is credited at the old allocation;
@@ -224,16 +225,16 @@ class SupervisorState:
             self._save()
             return self._state.version
 
-    def allocation(self, job_id: str) -> Tuple[Allocation, int]:
+    def allocation(self, job_id: str) -> tuple[Allocation, int]:
         """``(allocation, version)`` of one job (``KeyError`` if unknown)."""
         with self._lock:
             return self._state.jobs[job_id].allocation, self._state.version
 
-    def allocations(self) -> Dict[str, Allocation]:
+    def allocations(self) -> dict[str, Allocation]:
         """Current non-empty allocations by job."""
         with self._lock:
             return {k: v.allocation for k, v in self._state.jobs.items() if v.allocation}
 
-    def job_ids(self) -> List[str]:
+    def job_ids(self) -> list[str]:
         with self._lock:
             return sorted(self._state.jobs)

@@ -9,7 +9,7 @@ and takes its own share of each step (``step.local(rank)``), so all
 replicas take the same number of steps and micro-steps, and per-step work
 is balanced by tokens.  This module connects it to the loader:
 
-* the planner's position (:class:`~adaptive.data.tokens.planner.TokenPlanState`,
+* the planner's position (:class:`~adaptive.data.tokens.plan_state.TokenPlanState`,
   independent of the replica count) is checkpointed in the loader's state
   after every step, so a resume on any number of replicas continues the
   same micro-batch stream and trains each sample once per epoch;
@@ -19,12 +19,13 @@ is balanced by tokens.  This module connects it to the loader:
   or a ramp-up schedule in tokens) that is split into micro-steps of at
   most ``max_tokens`` each, or the goodput model's choice (autoscale, batch
   measured in tokens);
-* over-long samples raise :class:`~adaptive.data.tokens.planner.OversizeSampleError`
+* over-long samples raise :class:`~adaptive.data.tokens.lengths.OversizeSampleError`
   or are reported and skipped (``on_oversize``).
 
-The step's gradient weighting and learning-rate factor are derived by the
-loader from the :class:`~adaptive.data.steps.PlannedStep` records produced
-here (see :mod:`adaptive.data.dataloader`).
+The step's gradient weighting (:mod:`adaptive.data.weighting`) and
+learning-rate factor (:mod:`adaptive.batchsize.step_lr_rules`) are derived
+by the loader from the :class:`~adaptive.data.steps.PlannedStep` records
+produced here (see :mod:`adaptive.data.dataloader`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,11 @@ import numpy as np
 
 from adaptive.data.sampler import ElasticSampler
 from adaptive.data.steps import Batching, PlannedStep, StepShape, StepSizer
-from adaptive.data.tokens.planner import (
-    DEFAULT_WINDOW_SIZE,
-    SampleLengths,
-    TokenBudgetPlanner,
-    TokenPlanState,
-    TokenStep,
-)
+from adaptive.data.tokens.lengths import SampleLengths
+from adaptive.data.tokens.micro_batches import TokenStep
+from adaptive.data.tokens.plan_state import DEFAULT_WINDOW_SIZE, TokenPlanState
+from adaptive.batchsize.rampup import ConstantSchedule
+from adaptive.data.tokens.planner import TokenBudgetPlanner
 
 __all__ = ["TokenBatching", "check_lengths"]
 
@@ -95,6 +94,31 @@ class TokenBatching(Batching):
         table = self.lengths.lookup(np.arange(self.lengths.num_samples, dtype=np.int64))
         fitting = table[table <= self.max_tokens]
         return int(fitting.max()) if fitting.size else None
+
+    def default_batch_size(self, accumulation_steps: int, replicas: int) -> int:
+        return self.max_tokens * accumulation_steps * replicas  # the planned step of the first launch
+
+    def make_sizer(self, batch_size: int, schedule: Any, accumulation_steps: int, global_size: bool) -> StepSizer:
+        floor = self.longest_sample() or self.max_tokens
+        if global_size:
+            schedule = ConstantSchedule(batch_size, "tokens")
+        native = StepShape(self.max_tokens, accumulation_steps)
+        return StepSizer("tokens", schedule, lambda replicas: native, max_micro=self.max_tokens,
+                         min_micro=lambda replicas: floor)
+
+    def autoscale_bounds(self, max_batch_size: int, bounds: tuple[int, int] | None) -> tuple[int, int]:
+        """Bounds in tokens per micro-batch: at most ``max_tokens`` (the memory limit), at least the longest sample."""
+        longest = self.longest_sample()
+        if bounds is None:  # lengths given as a function: the longest sample is unknown, keep the budget
+            return (longest or self.max_tokens, self.max_tokens)
+        lo, hi = tuple(bounds)
+        if isinstance(hi, int) and hi > self.max_tokens:
+            raise ValueError(f"local_bsz_bounds[1]={hi} exceeds max_tokens={self.max_tokens}: with token "
+                             "budgets the bounds are tokens per micro-batch and max_tokens is the memory limit")
+        if isinstance(lo, int) and longest is not None and lo < longest and self.on_oversize == "error":
+            raise ValueError(f"local_bsz_bounds[0]={lo} is below the longest sample ({longest} tokens): a smaller "
+                             "budget would make it oversize; raise the lower bound or use on_oversize='skip'")
+        return lo, hi
 
     def _planner(self, shape: StepShape, replicas: int) -> TokenBudgetPlanner:
         return TokenBudgetPlanner(self.lengths, shape.micro, replicas, shape.accum, window_size=self.window_size,

@@ -1,0 +1,118 @@
+"""Per-group squared gradient norms for the noise scale, computed on the device.
+
+Norms are read with multi-tensor kernels where no preconditioning applies,
+and through one reusable float32 workspace (the size of the largest
+parameter) where it does; results are summed per optimizer parameter
+group with one ``index_add_``.  The differenced estimator keeps a
+persistent float32 copy of the previous step's gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from adaptive.batchsize._gns_precondition import Preconditioner
+
+__all__ = ["GroupNorms"]
+
+
+class GroupNorms:
+    """Squared norms of the tracked parameters' gradients, per parameter group.
+
+    Args:
+        params: the tracked parameters (their ``.grad`` is read).
+        group_of: each parameter's optimizer group.
+        num_groups: number of optimizer groups.
+        preconditioner: Adam preconditioning, or None.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], group_of: Sequence[int], num_groups: int,
+                 preconditioner: Preconditioner | None) -> None:
+        self._params = list(params)
+        self._num_groups = num_groups
+        self._preconditioner = preconditioner
+        #: Where the norms (and the group sums) live: the first parameter's device.
+        self.device = self._params[0].device
+        #: Each parameter's group, as a device tensor for ``index_add_``.
+        self.group_index = torch.tensor(list(group_of), dtype=torch.long, device=self.device)
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        self._prev_grads: dict[int, torch.Tensor] = {}
+
+    def precondition_active(self) -> bool:
+        """Whether gradients are measured in Adam's geometry now."""
+        return self._preconditioner is not None and self._preconditioner.state == "ready"
+
+    def root(self, index: int) -> torch.Tensor | None:
+        """The preconditioner's root for parameter ``index`` (None: not preconditioned)."""
+        return self._preconditioner.roots[index] if self.precondition_active() else None
+
+    def _workspace(self, like: torch.Tensor) -> torch.Tensor:
+        work = self._workspaces.get(like.device)
+        if work is None or work.numel() < like.numel():
+            work = self._workspaces[like.device] = torch.empty(like.numel(), dtype=torch.float32,
+                                                               device=like.device)
+        return work[:like.numel()].view(like.shape)
+
+    def _preconditioned(self, grad: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """``grad * root`` in the reusable workspace (valid until the next call)."""
+        return torch.mul(grad, root, out=self._workspace(grad))
+
+    def sq_norm(self, grad: torch.Tensor, root: torch.Tensor | None) -> torch.Tensor:
+        """``|grad * root|^2`` (``|grad|^2`` without a root), as a float32 scalar tensor."""
+        source = grad if root is None else self._preconditioned(grad, root)
+        return torch.linalg.vector_norm(source, dtype=torch.float32).square()
+
+    def _roots(self) -> Sequence[torch.Tensor | None]:
+        if self.precondition_active():
+            return self._preconditioner.roots
+        return [None] * len(self._params)
+
+    def _by_group(self, indices: Sequence[int], values: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(self._num_groups, dtype=torch.float32, device=self.device)
+        if indices:
+            groups = self.group_index[list(indices)]
+            out.index_add_(0, groups, torch.stack([v.to(self.device) for v in values]))
+        return out
+
+    def group_sq(self, indices: Sequence[int]) -> torch.Tensor:
+        """Per-group squared norms of the (preconditioned) gradients of ``indices``."""
+        roots = self._roots()
+        plain = [i for i in indices if roots[i] is None]
+        values = []
+        if plain:
+            norms = torch._foreach_norm([self._params[i].grad for i in plain], 2, dtype=torch.float32)
+            values += [norm.square() for norm in norms]
+        scaled = [i for i in indices if roots[i] is not None]
+        values += [self.sq_norm(self._params[i].grad, roots[i]) for i in scaled]
+        return self._by_group(plain + scaled, values)
+
+    def differenced(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``|g_t|^2``, ``|g_{t-1}|^2`` and ``g_{t-1} . g_t`` per group.
+
+        The previous gradient is kept raw and preconditioned here with the
+        *current* preconditioner, so both partners are measured in the same
+        geometry even across a refresh.
+        """
+        roots = self._roots()
+        cur, prev, cross = [], [], []
+        for i in indices:
+            saved, root = self._prev_grads[i], roots[i]
+            grad = self._params[i].grad
+            if root is not None:
+                saved.mul_(root)
+                grad = self._preconditioned(grad, root)
+            cur.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            prev.append(torch.linalg.vector_norm(saved).square())
+            cross.append(torch.dot(grad.reshape(-1).float(), saved.reshape(-1)))
+        return self._by_group(indices, cur), self._by_group(indices, prev), self._by_group(indices, cross)
+
+    def store(self, indices: Sequence[int]) -> None:
+        """Keep this step's raw gradients as the next step's partner."""
+        for i in indices:
+            grad = self._params[i].grad
+            saved = self._prev_grads.get(i)
+            if saved is None or saved.shape != grad.shape or saved.device != grad.device:
+                saved = self._prev_grads[i] = torch.empty_like(grad, dtype=torch.float32)
+            saved.copy_(grad)

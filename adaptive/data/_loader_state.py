@@ -1,0 +1,50 @@
+"""What an :class:`~adaptive.AdaptiveDataLoader` checkpoints: where it is in the job.
+
+The loop in progress (its epoch and number within the epoch), the global
+position in that loop's permutation, the loops already finished in each
+epoch (skipped on replay), the optimizer steps taken and the samples (or
+tokens) consumed over the whole job, and a token-budget plan in progress.
+"""
+
+from __future__ import annotations
+
+from adaptive.checkpoint import states
+
+__all__ = ["LoaderState"]
+
+
+class LoaderState(states.State):
+    """Where a loader is: the loop in progress, its position, samples (tokens) consumed, finished loops."""
+
+    def __init__(self, name: str, batch_size: int, scope: int | None) -> None:
+        super().__init__(name, scope=scope)
+        self.epoch: int | None = None  # epoch of the loop in progress (None: outside epochs)
+        self.loop = 0  # which loop of this loader in that epoch (1-based; 0: none yet)
+        self.index = 0  # global samples consumed (or skipped) by that loop
+        self.finished: dict[int | None, int] = {}  # epoch -> last finished loop
+        self.step = 0  # steps taken over the whole job
+        self.batch_size = batch_size  # reference size: the global batch the LR was tuned for
+        self.consumed = 0  # samples (tokens with a budget) trained over the whole job: drives ramp-up
+        self.plan: dict | None = None  # token budgets: the TokenPlanState of the loop in progress
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "loop": self.loop,
+            "index": self.index,
+            "finished": [[key, value] for key, value in self.finished.items()],
+            "step": self.step,
+            "batch_size": self.batch_size,
+            "consumed": self.consumed,
+            "plan": self.plan,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.loop = int(state["loop"])
+        self.index = int(state["index"])
+        self.finished = {key: int(value) for key, value in state["finished"]}
+        self.step = int(state["step"])
+        self.batch_size = int(state["batch_size"])
+        self.consumed = int(state["consumed"])
+        self.plan = state["plan"]
