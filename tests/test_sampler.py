@@ -1,4 +1,4 @@
-"""Tests for adaptive.sampler: the G2 global stream and its per-replica split."""
+"""Tests for adaptive.data.sampler: the G2 global stream and its per-replica split."""
 
 from __future__ import annotations
 

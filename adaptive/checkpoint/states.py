@@ -18,7 +18,7 @@ Rules that keep restarts exact:
 * ``sync()`` is collective: each replica's state is made whole there (for
   example, accumulators add up their replicas' pending updates), and only
   then does rank 0 write;
-* the write is atomic (see :mod:`adaptive.checkpoint.states.store`), so a crash
+* the write is atomic (see :mod:`adaptive.checkpoint.store`), so a crash
   during a save leaves the previous checkpoint as the newest complete one.
 
 States of objects created inside an epoch of ``remaining_epochs_until``

@@ -23,7 +23,7 @@ micro-batch size and the number of gradient-accumulation steps that
 maximise goodput (see :mod:`adaptive.batchsize.autoscale`), also in the middle of an
 epoch; a schedule then caps autoscale's choice.  An optimizer step may be
 made of several micro-batches; the loop stays the ordinary ``zero_grad();
-backward(); step()`` loop (see :mod:`adaptive.parallel.data_parallel.data_parallel`).
+backward(); step()`` loop (see :mod:`adaptive.parallel.data_parallel`).
 
 Exact gradients for uneven steps: multiply each micro-batch's *summed* loss
 (over its real tokens, or its samples) by :attr:`AdaptiveDataLoader.loss_weight`
@@ -99,7 +99,7 @@ class AdaptiveDataLoader(LoaderPasses):
         name: checkpoint name; default the creation order: ``"0"``, ``"1"``,
             ... for loaders created before the epoch loop, ``"e3.0"``, ...
             for loaders created inside epoch 3 (those belong to their epoch,
-            see :mod:`adaptive.checkpoint.states.states`).
+            see :mod:`adaptive.checkpoint.states`).
         max_tokens: turn on token-budget batches: the most padded tokens
             (longest sample x samples) one replica's micro-batch may hold.
         lengths: with ``max_tokens``, the token count of every sample: a

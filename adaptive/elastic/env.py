@@ -6,7 +6,7 @@ project's scheduler (guarantee G1).
 
 A restart is *not* detected from ``TORCHELASTIC_RESTART_COUNT``: that counter is
 per agent and does not move on membership changes.  A job is resuming exactly
-when a checkpoint exists (see :func:`adaptive.checkpoint.states.states.resumed_checkpoint`).
+when a checkpoint exists (see :func:`adaptive.checkpoint.states.resumed_checkpoint`).
 
 Variables of our own:
 
