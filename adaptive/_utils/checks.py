@@ -13,11 +13,13 @@ import numbers
 import operator
 from typing import Sequence
 
+import numpy as np
+
 __all__ = ["check_int", "check_float", "check_choice", "check_bool"]
 
 
 def _is_bool(value: object) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy bools too, without importing numpy
+    return isinstance(value, (bool, np.bool_))  # np.bool_'s type name is "bool" in numpy 2, "bool_" before
 
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None,
