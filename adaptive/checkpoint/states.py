@@ -109,11 +109,14 @@ class State:
     def sync(self) -> None:
         """Collective hook called on every replica just before a save."""
 
+    def is_registered(self) -> bool:
+        """Whether the next checkpoint holds this state (False after a job reset or the end of its epoch)."""
+        return _session().registry.get(self.name) is self
+
     def unregister(self) -> None:
         """Remove this state from the checkpoint (the object will no longer be saved)."""
-        registry = _session().registry
-        if registry.get(self.name) is self:
-            del registry[self.name]
+        if self.is_registered():
+            del _session().registry[self.name]
 
 
 def epoch_scope() -> int | None:
