@@ -46,7 +46,6 @@ class _EpochState(states.State):
         self.current: int | None = None
         self.finished = 0
         self.ended = False  # finish_training() was called
-        self.save_pending = False  # ... inside a loader step: its loader saves once the step is committed
 
     version = 2  # 2 adds "ended" (finish_training)
     migrations = {1: lambda state: dict(state, ended=False)}
@@ -108,17 +107,17 @@ def finish_training() -> None:
         return
     state.ended = True
     if current_job().training.loop is not None:
-        state.save_pending = True  # saved by the loader, after the step in progress counts as taken
+        _progress().finish_pending = True  # saved by the loader, after the step in progress counts as taken
     else:
         _save_finished(state)
 
 
 def save_pending_finish() -> None:
     """Write the checkpoint of a :func:`finish_training` called inside a loader step (the loader calls this)."""
-    state = _epoch_state()
-    if state.save_pending:
-        state.save_pending = False
-        _save_finished(state)
+    progress = _progress()
+    if progress.finish_pending:
+        progress.finish_pending = False
+        _save_finished(_epoch_state())
 
 
 def remaining_epochs_until(epoch: int) -> Iterator[int]:

@@ -73,6 +73,7 @@ class EpochProgress:
 
     state: Any = None  # the checkpointed epoch counter
     looping: bool = False
+    finish_pending: bool = False  # finish_training() inside a loader step: the loader saves after the step
 
 
 @dataclasses.dataclass
