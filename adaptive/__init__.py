@@ -31,12 +31,14 @@ _EXPORTS = {
     "Accumulator": "adaptive.elastic.accumulator",
     "AdaptiveDataLoader": "adaptive.data.dataloader",
     "AdaptiveDataParallel": "adaptive.parallel.data_parallel",
+    "AdaptiveFSDP": "adaptive.parallel.fully_sharded",
     "CheckpointError": "adaptive.checkpoint.store",
     "CollectiveError": "adaptive.elastic.collectives",
     "ConstantSchedule": "adaptive.batchsize.rampup",
     "LinearRampup": "adaptive.batchsize.rampup",
     "OversizeSampleError": "adaptive.data.tokens.lengths",
     "StagedSchedule": "adaptive.batchsize.rampup",
+    "ShardedState": "adaptive.checkpoint.states",
     "State": "adaptive.checkpoint.states",
     "current_epoch": "adaptive.elastic.epoch",
     "env": "adaptive.elastic.env",
@@ -48,6 +50,7 @@ _EXPORTS = {
     "request_stop": "adaptive.elastic.sync_points",
     "save_all_states": "adaptive.checkpoint.states",
     "training_finished": "adaptive.elastic.epoch",
+    "wait_for_pending_save": "adaptive.checkpoint.states",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -56,7 +59,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from adaptive.batchsize.rampup import ConstantSchedule, LinearRampup, StagedSchedule
-    from adaptive.checkpoint.states import State, load_state, save_all_states
+    from adaptive.checkpoint.states import ShardedState, State, load_state, save_all_states, wait_for_pending_save
     from adaptive.checkpoint.store import CheckpointError
     from adaptive.data.dataloader import AdaptiveDataLoader
     from adaptive.data.tokens.lengths import OversizeSampleError
@@ -67,3 +70,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
                                         training_finished)
     from adaptive.elastic.sync_points import request_stop
     from adaptive.parallel.data_parallel import AdaptiveDataParallel
+    from adaptive.parallel.fully_sharded import AdaptiveFSDP

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,9 @@ import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import _paired  # noqa: E402
 
 
 def _model(width: int) -> torch.nn.Module:
@@ -151,23 +153,16 @@ def main() -> None:
             mp.spawn(_worker, args=(portpicker.pick_unused_port(), args, out), nprocs=2, join=True)
             runs.append(json.loads(Path(out, "times.json").read_text()))
     params = sum(p.numel() for p in _model(args.width).parameters())
-    times = {name: [t for run in runs for block in run[name] for t in block] for name in ("plain", "ours")}
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    # Blocks of a pair ran back to back, so their ratio cancels slow drifts of the machine.
-    block_ratios = sorted(statistics.median(o) / statistics.median(p)
-                          for run in runs for p, o in zip(run["plain"], run["ours"]))
-    ratio = statistics.median(block_ratios)
-    quartiles = (block_ratios[len(block_ratios) // 4], block_ratios[(3 * len(block_ratios)) // 4])
-    launch_ratios = [statistics.median([t for b in run["ours"] for t in b])
-                     / statistics.median([t for b in run["plain"] for t in b]) for run in runs]
+    summary = _paired.summarize(runs)
+    times, medians, block_ratios = summary["times"], summary["median_s"], summary["block_ratios"]
+    ratio, quartiles, launch_ratios = summary["ratio"], summary["quartiles"], summary["launch_ratios"]
     print(f"step time, 2 gloo processes, MLP {params / 1e6:.1f}M params, global batch {args.batch}, "
           f"{args.launches} launches x {args.blocks} alternating blocks x {args.steps} steps, "
           f"{args.optimizer}, gns_interval={'default' if args.gns_interval is None else args.gns_interval}")
     print(f"{'set-up':<44}{'median ms':>10}{'p90 ms':>10}")
     for name, label in (("plain", "DDP + DataLoader(DistributedSampler)"),
                         ("ours", "AdaptiveDataParallel (GNS) + AdaptiveDataLoader")):
-        values = sorted(times[name])
-        print(f"{label:<44}{1e3 * medians[name]:>10.1f}{1e3 * values[int(0.9 * (len(values) - 1))]:>10.1f}")
+        print(f"{label:<44}{1e3 * medians[name]:>10.1f}{1e3 * _paired.p90(times[name]):>10.1f}")
     print(f"ours / plain, median of {len(block_ratios)} block-pair ratios: {ratio:.3f} (quartiles "
           f"{quartiles[0]:.3f}-{quartiles[1]:.3f}; target <= 1.03); per launch: "
           + " / ".join(f"{r:.3f}" for r in launch_ratios))

@@ -3,6 +3,7 @@
     python examples/token_lm.py                                        # one replica, ~1-2 min on a CPU
     adaptive-run --standalone --nproc-per-node=2 examples/token_lm.py  # two replicas
     python examples/token_lm.py --steps 20 --files 40                  # a quick check
+    adaptive-run --standalone --nproc-per-node=2 examples/token_lm.py --shard  # sharded (FSDP2)
 
 The text ships with Python: the docstrings of the standard library's
 modules, classes and functions (read with ``ast``, so nothing is imported or
@@ -18,7 +19,14 @@ bounded by a *token budget* instead of a sample count:
 * ``--ramp`` grows the global batch along a schedule in consumed tokens
   (``"0:8K 100K:16K"``: 8K tokens per step, then 16K after 100K tokens);
 * the learning rate follows each step's actual size (square-root rule, the
-  family of AdamScale, the default scaling rule for Adam).
+  family of AdamScale, the default scaling rule for Adam);
+* ``--shard`` trains the same model with ``adaptive.AdaptiveFSDP`` instead of
+  ``AdaptiveDataParallel``: parameters, gradients and Adam's state are
+  sharded over the replicas (FSDP2 ``fully_shard`` on each transformer
+  layer, then the root), checkpoints are written shard by shard through
+  ``torch.distributed.checkpoint`` and resharded when the job restarts on
+  another number of replicas.  Its checkpoints live in
+  ``.adaptive/token_lm-sharded``.
 
 Each epoch logs the training and validation loss per token and perplexity,
 and the share of real tokens in the padded batches, summed over replicas
@@ -31,6 +39,7 @@ import ast
 import collections
 import logging
 import math
+import os
 import pathlib
 import sysconfig
 import time
@@ -147,11 +156,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    parser.add_argument("--shard", action="store_true",
+                        help="shard the model over the replicas (AdaptiveFSDP, FSDP2) instead of replicating it")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.shard:  # its own checkpoints: sharded model state does not load into a replicated model
+        os.environ.setdefault("ADAPTIVE_JOB_ID", "token_lm-sharded")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # Everything before the epoch loop runs again after a restart: keep it deterministic.
     torch.manual_seed(0)
@@ -168,7 +181,10 @@ def main() -> None:
     net = TinyTransformer(len(vocab), args.max_len, args.dim, args.layers, heads=4)
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30))
-    model = adaptive.AdaptiveDataParallel(net, optimizer, warmup)
+    if args.shard:  # each transformer layer, then the root, is a fully_shard unit
+        model = adaptive.AdaptiveFSDP(net, optimizer, warmup)
+    else:
+        model = adaptive.AdaptiveDataParallel(net, optimizer, warmup)
     train_loader = adaptive.AdaptiveDataLoader(
         train_set, shuffle=True, max_tokens=args.max_tokens, lengths=train_set.lengths, collate_fn=pad_batch,
         window_size=4096, batch_size_schedule=args.ramp or None, name="train")
@@ -197,8 +213,10 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             for ids in val_loader:
+                # Every replica runs every batch, padding ones too: a sharded model gathers its
+                # parameters in the forward pass, a collective the other replicas take part in.
+                loss_sum, tokens = token_loss_sum(model.module, ids)
                 if not val_loader.is_padding:
-                    loss_sum, tokens = token_loss_sum(model.module, ids)
                     stats["val_loss"] += loss_sum.item()
                     stats["val_tokens"] += tokens
         with stats.synchronized():

@@ -614,7 +614,7 @@ def _edited_manifest(directory: Path) -> None:
 
 
 def _unknown_version(directory: Path) -> None:
-    rewrite_manifest(directory, lambda body: body.update(version=2))
+    rewrite_manifest(directory, lambda body: body.update(version=_format.FORMAT_VERSION + 1))
 
 
 def _foreign_manifest(directory: Path) -> None:
@@ -651,7 +651,7 @@ DAMAGE = {
     "garbage manifest": (_garbage_manifest, "not valid JSON"),
     "no manifest": (_no_manifest, "no manifest.json"),
     "edited manifest": (_edited_manifest, "checksum mismatch"),
-    "unknown version": (_unknown_version, "unsupported format version 2"),
+    "unknown version": (_unknown_version, f"unsupported format version {_format.FORMAT_VERSION + 1}"),
     "foreign manifest": (_foreign_manifest, "other-tool"),
     "escaping file name": (_escaping_file_name, "unsafe file name"),
     "wrong seq": (_wrong_seq, "does not match directory"),
@@ -894,3 +894,72 @@ def test_fsync_dir_is_strict_for_checkpoints_and_best_effort_for_json(tmp_path: 
     fsync_dir(missing, strict=False)  # ignored
     with pytest.raises(FileNotFoundError):
         _disk.fsync_dir(missing)  # the store's hook is the strict one
+
+
+# ------------------------------------------------- reserved saves, sharded part
+
+
+def _sharded_files(reservation: cs.Reservation, contents: dict[str, bytes]) -> _format.ShardedPart:
+    """Files standing in for what the ranks write through DCP, with their manifest records."""
+    entries = []
+    for name, data in contents.items():
+        (reservation.sharded_dir / name).write_bytes(data)
+        size, digest = _format.hash_file(reservation.sharded_dir / name)
+        entries.append(_format.FileEntry(file=name, size=size, sha256=digest))
+    return _format.ShardedPart(states=("model",), files=tuple(entries))
+
+
+def test_a_reserved_save_publishes_the_sharded_part_and_latest_verifies_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(states_for(1))
+    reservation = store.reserve(sharded=True)
+    assert reservation.seq == 2 and reservation.temp.name.startswith(".tmp-") and reservation.sharded_dir.is_dir()
+    part = _sharded_files(reservation, {".metadata": b"meta", "__0_0.distcp": b"rank0", "__1_0.distcp": b"rank1"})
+    info = store.publish(reservation, states_for(2), {"tag": 2}, part)
+    assert info.seq == 2 and info.size > sum(e.size for e in part.files)
+    manifest = json.loads((info.path / _format.MANIFEST_NAME).read_text())
+    assert manifest["version"] == _format.FORMAT_VERSION == 2
+    assert manifest["sharded"]["states"] == ["model"]
+    assert sorted(f["file"] for f in manifest["sharded"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    latest = store.latest()
+    assert latest.info.seq == 2 and latest.sharded_names() == ["model"]
+    (info.path / _format.SHARDED_DIR / "__1_0.distcp").write_bytes(b"RANK1")  # same size, other bytes
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.latest().info.seq == 1
+    assert "__1_0.distcp does not match its sha256" in caplog.text
+
+
+def test_a_sharded_part_that_does_not_match_its_directory_is_not_published(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    reservation = store.reserve(sharded=True)
+    part = _sharded_files(reservation, {".metadata": b"meta", "__0_0.distcp": b"rank0"})
+    (reservation.sharded_dir / "__1_0.distcp").write_bytes(b"a rank's file the records miss")
+    with pytest.raises(CheckpointError, match="incomplete or has extra files"):
+        store.publish(reservation, states_for(1), None, part)
+    assert checkpoint_dirs(tmp_path) == [] and temp_dirs(tmp_path) == []
+
+
+def test_an_abandoned_reservation_leaves_nothing(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    reservation = store.reserve(sharded=True)
+    (reservation.sharded_dir / "__0_0.distcp").write_bytes(b"half written")
+    store.abandon(reservation)
+    assert temp_dirs(tmp_path) == [] and store.latest() is None
+    assert store.reserve().seq == 1  # the number was never used
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda part: part.update(files=[{"file": "../escape", "bytes": 1, "sha256": "0" * 64}]), "unsafe"),
+    (lambda part: part.update(files=[f for f in part["files"] if f["file"] != ".metadata"]), "no .metadata"),
+    (lambda part: part.update(states=["not-saved"]), "without its state file"),
+    (lambda part: part.update(files="x"), "bad sharded part"),
+])
+def test_bad_sharded_records_make_the_checkpoint_invalid(tmp_path: Path, mutate: Callable, reason: str) -> None:
+    store = CheckpointStore(tmp_path)
+    reservation = store.reserve(sharded=True)
+    part = _sharded_files(reservation, {".metadata": b"meta", "__0_0.distcp": b"rank0"})
+    info = store.publish(reservation, {"model": {"w": torch.ones(1)}}, None, part)
+    rewrite_manifest(info.path, lambda body: mutate(body["sharded"]))
+    with pytest.raises(CheckpointError, match=reason):
+        store.latest()

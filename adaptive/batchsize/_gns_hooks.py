@@ -51,16 +51,20 @@ A measured step therefore reads the gradient about twice more; steps that
 are not measured (``measure_interval``) cost one Python call per backward.
 The end-of-backward work runs from torch's autograd-engine callback queue,
 after DDP's own finalisation.
+
+:class:`BackwardProbe` is written for DDP; its subclass
+:class:`adaptive.batchsize._gns_sharded.ShardedProbe` measures an FSDP2
+model and overrides only where the gradients are read (which tensors carry
+the micro-step hooks, local shards instead of whole gradients, and one
+all-reduce of big and small sums together).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
@@ -68,41 +72,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.batchsize._gns_norms import GroupNorms
 from adaptive.batchsize._gns_precondition import Preconditioner
-from adaptive.batchsize.noise_estimate import DIFFERENCED, DIRECT, BatchConfig, Measurement
+from adaptive.batchsize._gns_record import StepRecord
+from adaptive.batchsize.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
 
 __all__ = ["BackwardProbe", "StepRecord"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepRecord:
-    """Device-side measurements of one optimizer step, read at flush time."""
-
-    estimator: str
-    config: BatchConfig
-    count: int
-    big: torch.Tensor
-    local: torch.Tensor | None = None
-    work: Any = None
-    scale: torch.Tensor | None = None
-    prev: torch.Tensor | None = None
-    prev_scale: torch.Tensor | None = None
-    cross: torch.Tensor | None = None
-
-    def read(self) -> Measurement:
-        """The measurement on the host: waits for the all-reduce, then one copy."""
-        if self.work is not None:
-            self.work.wait()
-        parts = [self.big, self.local, self.prev, self.cross, self.scale, self.prev_scale]
-        device = self.big.device
-        present = [p.reshape(-1).to(device, torch.float32) for p in parts if p is not None]
-        values = iter(np.split(torch.cat(present).double().cpu().numpy(),
-                               np.cumsum([p.numel() for p in present])[:-1]))
-        big, local, prev, cross, scale, prev_scale = (next(values) if p is not None else None for p in parts)
-        return Measurement(self.estimator, self.config, self.count, big, local=local, prev=prev, cross=cross,
-                           scale=float(scale[0]) if scale is not None else None,
-                           prev_scale=float(prev_scale[0]) if prev_scale is not None else None)
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -128,8 +103,9 @@ class BackwardProbe:
 
     Args:
         optimizer: the model's optimizer (groups give the statistics' groups).
-        ddp_model: the model whose backward passes are watched.
-        process_group, world_size: the group DDP reduces over, and its size.
+        model: the model whose backward passes are watched (a DDP model here).
+        process_group, world_size: the group the model reduces over, and its size
+            (the number of data-parallel replicas).
         average_micro_steps: divide the accumulated gradient by the number
             of micro-steps.
         is_last_micro_step: whether the coming backward ends the step.
@@ -143,7 +119,7 @@ class BackwardProbe:
             estimator switches measurement off).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, ddp_model: DistributedDataParallel, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  process_group: Any, world_size: int, average_micro_steps: bool,
                  is_last_micro_step: Callable[[], bool], precondition: bool, precondition_interval: int,
                  measure_interval: int, grad_scaler: Callable[[], Any], on_step_start: Callable[[], None],
@@ -169,13 +145,7 @@ class BackwardProbe:
         self._in_backward = False
         self._steps = 0
         self._reset_step()
-        self._track_params(ddp_model, precondition, precondition_interval)
-        ddp_model.register_forward_hook(self._on_forward)
-
-    def _track_params(self, ddp_model: DistributedDataParallel, precondition: bool, interval: int) -> None:
-        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
-        in_model = {id(p) for name, p in ddp_model.module.named_parameters()
-                    if p.requires_grad and name not in ignored}
+        in_model, self._trained = self._model_params(model)
         for index, group in enumerate(self._optimizer.param_groups):
             for param in group["params"]:
                 if id(param) in in_model:
@@ -183,11 +153,49 @@ class BackwardProbe:
                     self._group_of.append(index)
         if not self._params:
             raise ValueError("the optimizer holds none of the model's trainable parameters")
-        self._trained = [p for p in ddp_model.module.parameters() if p.requires_grad]
         if precondition:
-            self._preconditioner = Preconditioner(self._optimizer, self._params, self._group_of, interval)
-        self._norms = GroupNorms(self._params, self._group_of, self._num_groups, self._preconditioner)
+            self._preconditioner = Preconditioner(self._optimizer, self._params, self._group_of,
+                                                  precondition_interval, local=self._local)
+        self._norms = GroupNorms(self._params, self._group_of, self._num_groups, self._preconditioner,
+                                 grad_of=self._grad)
         self._micro_sq = torch.zeros(len(self._params), dtype=torch.float32, device=self._norms.device)
+        model.register_forward_hook(self._on_forward)
+
+    # ------------------------------------------------------------ model specifics (overridden)
+    def _model_params(self, model: torch.nn.Module) -> tuple[set[int], list[torch.Tensor]]:
+        """Ids of the measurable parameters, and every trainable parameter (its gradient is averaged)."""
+        ddp_model: DistributedDataParallel = model  # type: ignore[assignment]
+        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()) or ())
+        in_model = {id(p) for name, p in ddp_model.module.named_parameters()
+                    if p.requires_grad and name not in ignored}
+        return in_model, [p for p in ddp_model.module.parameters() if p.requires_grad]
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the norms read of a parameter or its optimizer state (DDP: the tensor itself)."""
+        return tensor
+
+    def _grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What the norms read of a parameter's gradient (DDP: ``.grad``)."""
+        return param.grad
+
+    def _micro_sq_norm(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """One backward's contribution to the small squared norm of parameter ``index``."""
+        norms = self._norms
+        return norms.sq_norm(grad, norms.root(index))
+
+    def _register_micro_hooks(self) -> list[Any]:
+        return [p.register_hook(functools.partial(self._micro_hook, i)) for i, p in enumerate(self._params)]
+
+    def _micro_hooks_complete(self) -> bool:
+        """Whether the micro-step hooks will see every gradient of the coming backward."""
+        return bool(self._micro_handles)
+
+    def _reduce_direct(self, big: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Start combining the replicas' sums: ``(big, local, work)``, read after ``work.wait()``."""
+        work = None
+        if self.world_size > 1:
+            work = dist.all_reduce(local, group=self._process_group, async_op=True)
+        return big, local, work
 
     # ------------------------------------------------------------ control
     def set_config(self, config: BatchConfig | None) -> None:
@@ -242,7 +250,7 @@ class BackwardProbe:
                 self._measuring = self._storing = False
         if self._measuring or self._storing:
             self._step_scale = self._loss_scale()
-        self._hooked = bool(self._micro_handles)
+        self._hooked = self._micro_hooks_complete()
         if self._hooked and self._measuring:
             self._micro_sq.zero_()
 
@@ -287,12 +295,15 @@ class BackwardProbe:
         if sync:  # runs after DDP has written the reduced gradients back
             Variable._execution_engine.queue_callback(self._end_of_step)
 
+    def _wants_micro_hooks(self) -> bool:
+        """Whether steps have several small gradients (replicas or micro-steps) to read."""
+        return (self._enabled and self._config is not None
+                and self._config.accum_steps * self.world_size > 1)
+
     def _update_micro_hooks(self) -> None:
-        wanted = (self._enabled and self._config is not None
-                  and self._config.accum_steps * self.world_size > 1)
+        wanted = self._wants_micro_hooks()
         if wanted and not self._micro_handles:
-            self._micro_handles = [p.register_hook(functools.partial(self._micro_hook, i))
-                                   for i, p in enumerate(self._params)]
+            self._micro_handles = self._register_micro_hooks()
         elif not wanted:
             self._remove_micro_hooks()
 
@@ -307,9 +318,7 @@ class BackwardProbe:
             return
         try:
             with torch.no_grad():
-                norms = self._norms
-                root = norms.root(index)
-                self._micro_sq[index].add_(norms.sq_norm(grad, root).to(norms.device))
+                self._micro_sq[index].add_(self._micro_sq_norm(index, grad).to(self._norms.device))
         except Exception:  # never break the user's backward
             self._fail("micro-step hook")
 
@@ -333,7 +342,7 @@ class BackwardProbe:
     def _divide_grads(self, divisor: int) -> None:
         dense = []
         for param in self._trained:
-            grad = param.grad
+            grad = self._grad(param)
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -346,7 +355,8 @@ class BackwardProbe:
     def _collect(self, micro_steps: int) -> None:
         config, world = self._config, self.world_size
         count = world * micro_steps
-        present = [i for i, p in enumerate(self._params) if p.grad is not None and not p.grad.is_sparse]
+        present = [i for i, p in enumerate(self._params)
+                   if (grad := self._grad(p)) is not None and not grad.is_sparse]
         if count > 1:
             if not (self._measuring and self._hooked):
                 self._prev_meta = None
@@ -355,9 +365,7 @@ class BackwardProbe:
             if not self._average_micro_steps:
                 big /= micro_steps ** 2
             local = torch.zeros_like(big).index_add_(0, self._norms.group_index, self._micro_sq)
-            work = None
-            if world > 1:
-                work = dist.all_reduce(local, group=self._process_group, async_op=True)
+            big, local, work = self._reduce_direct(big, local)
             self._pending = StepRecord(DIRECT, config, count, big, local=local, work=work,
                                         scale=self._step_scale)
             self._prev_meta = None

@@ -5,11 +5,15 @@ and through one reusable float32 workspace (the size of the largest
 parameter) where it does; results are summed per optimizer parameter
 group with one ``index_add_``.  The differenced estimator keeps a
 persistent float32 copy of the previous step's gradient.
+
+Under FSDP2 the gradients read are the local shards (``grad_of`` returns a
+sharded gradient's local tensor) and the sums are this rank's part of the
+norm; :mod:`adaptive.batchsize._gns_sharded` combines them across ranks.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,11 +30,15 @@ class GroupNorms:
         group_of: each parameter's optimizer group.
         num_groups: number of optimizer groups.
         preconditioner: Adam preconditioning, or None.
+        grad_of: the gradient read for a parameter (default: its ``.grad``;
+            under sharding, the local tensor of its sharded gradient).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], group_of: Sequence[int], num_groups: int,
-                 preconditioner: Preconditioner | None) -> None:
+                 preconditioner: Preconditioner | None,
+                 grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> None:
         self._params = list(params)
+        self._grad_of = grad_of if grad_of is not None else (lambda param: param.grad)
         self._num_groups = num_groups
         self._preconditioner = preconditioner
         #: Where the norms (and the group sums) live: the first parameter's device.
@@ -64,6 +72,9 @@ class GroupNorms:
         source = grad if root is None else self._preconditioned(grad, root)
         return torch.linalg.vector_norm(source, dtype=torch.float32).square()
 
+    def _grad(self, index: int) -> torch.Tensor:
+        return self._grad_of(self._params[index])
+
     def _roots(self) -> Sequence[torch.Tensor | None]:
         if self.precondition_active():
             return self._preconditioner.roots
@@ -82,10 +93,10 @@ class GroupNorms:
         plain = [i for i in indices if roots[i] is None]
         values = []
         if plain:
-            norms = torch._foreach_norm([self._params[i].grad for i in plain], 2, dtype=torch.float32)
+            norms = torch._foreach_norm([self._grad(i) for i in plain], 2, dtype=torch.float32)
             values += [norm.square() for norm in norms]
         scaled = [i for i in indices if roots[i] is not None]
-        values += [self.sq_norm(self._params[i].grad, roots[i]) for i in scaled]
+        values += [self.sq_norm(self._grad(i), roots[i]) for i in scaled]
         return self._by_group(plain + scaled, values)
 
     def differenced(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,7 +110,7 @@ class GroupNorms:
         cur, prev, cross = [], [], []
         for i in indices:
             saved, root = self._prev_grads[i], roots[i]
-            grad = self._params[i].grad
+            grad = self._grad(i)
             if root is not None:
                 saved.mul_(root)
                 grad = self._preconditioned(grad, root)
@@ -111,7 +122,7 @@ class GroupNorms:
     def store(self, indices: Sequence[int]) -> None:
         """Keep this step's raw gradients as the next step's partner."""
         for i in indices:
-            grad = self._params[i].grad
+            grad = self._grad(i)
             saved = self._prev_grads.get(i)
             if saved is None or saved.shape != grad.shape or saved.device != grad.device:
                 saved = self._prev_grads[i] = torch.empty_like(grad, dtype=torch.float32)

@@ -11,12 +11,17 @@ one multiply of the gradient gives the weighted norm), refreshed every
 no ``v_hat``: those steps are not measured (their statistics would be in
 different units).  An Adam-like optimizer without ``exp_avg_sq`` (Adamax,
 ...) is measured without preconditioning.
+
+Under FSDP2 the optimizer state is sharded like the parameters
+(``exp_avg_sq`` is a DTensor): the preconditioner is then kept for the
+local shard only (``local`` returns a DTensor's local tensor), the same rows
+as the local shard of the gradient.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,11 +35,15 @@ class Preconditioner:
 
     ``state`` is ``"waiting"`` (no optimizer state yet: do not measure),
     ``"ready"`` or ``"off"`` (the optimizer has no ``exp_avg_sq``).
+    ``local`` maps a parameter or state tensor to the tensor read (default:
+    itself; under sharding, a DTensor's local shard).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                 group_of: Sequence[int], interval: int) -> None:
+                 group_of: Sequence[int], interval: int,
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._optimizer = optimizer
+        self._local = local if local is not None else (lambda tensor: tensor)
         self._params = list(params)
         self._group_of = list(group_of)
         self._interval = interval
@@ -59,9 +68,9 @@ class Preconditioner:
                     continue
                 root = self.roots[i]
                 if root is None:
-                    root = self.roots[i] = torch.empty_like(param, dtype=torch.float32)
-                correction = 1.0 - group["betas"][1] ** step_value(state["step"])
-                torch.div(second, correction, out=root)
+                    root = self.roots[i] = torch.empty_like(self._local(param), dtype=torch.float32)
+                correction = 1.0 - group["betas"][1] ** step_value(self._local(state["step"]))
+                torch.div(self._local(second), correction, out=root)
                 root.sqrt_().add_(group["eps"]).rsqrt_()
                 found += 1
         if found:

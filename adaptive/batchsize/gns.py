@@ -21,15 +21,28 @@ reduction (see :mod:`adaptive.batchsize._gns_hooks` for how, and what it
 costs).  For Adam-type optimizers gradients are measured in the geometry
 the optimizer steps in (see :mod:`adaptive.batchsize._gns_precondition`).
 
+Under FSDP2 sharding
+--------------------
+:meth:`GradientNoiseScale.attach` also takes the root module of a
+``fully_shard``-ed model (FSDP, or HSDP on a 2-D mesh).  The small gradients
+are then each rank's micro-step gradients, read by tensor hooks on FSDP's
+unsharded parameters (the reduce-scatter input); the big one is the reduced
+gradient, summed over the ranks' local shards.  Big and small sums share
+one asynchronous all-reduce of a few floats per measured step; no unsharded
+gradient is kept or copied.  With Adam the sharded preconditioner weighs
+each rank's own rows only (an unbiased estimate with more variance).  See
+:mod:`adaptive.batchsize._gns_sharded`.
+
 Integration
 -----------
 ::
 
     gns = GradientNoiseScale(optimizer, grad_scaler=scaler)
-    gns.attach(ddp_model)                       # before the first backward
+    gns.attach(ddp_model)                       # before the first forward
     gns.set_batch_config(init_batch_size=256, local_bsz=64, accum_steps=2)
     ... ordinary training; under accumulation the forward *and* backward of
-    every micro-step but the last run in ddp_model.no_sync() ...
+    every micro-step but the last run in ddp_model.no_sync() (FSDP2: after
+    model.set_requires_gradient_sync(False)) ...
     gns.gain(gns.scale), gns.noise_scale(), gns.to_grad_params()
 
 ``set_batch_config`` must describe the steps that follow.  Losses must be
@@ -83,7 +96,7 @@ def _weigh_unweighted(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 class GradientNoiseScale:
-    """Gradient statistics of a DDP model, measured as it trains.
+    """Gradient statistics of a DDP or FSDP2 model, measured as it trains.
 
     Args:
         optimizer: the model's optimizer; statistics are kept per
@@ -143,46 +156,63 @@ class GradientNoiseScale:
         if self._probe is not None:
             self._probe.set_enabled(self._enabled)
 
-    def attach(self, ddp_model: DistributedDataParallel, *, process_group: Any = None,
+    def attach(self, model: torch.nn.Module, *, process_group: Any = None,
                average_micro_steps: bool = True,
                is_last_micro_step: Callable[[], bool] | None = None) -> None:
-        """Measure ``ddp_model``'s gradients; call once, before its first backward.
+        """Measure ``model``'s gradients; call once, before its first forward.
 
-        Only autograd hooks are registered: DDP reduces as it would without
-        measurement, with any communication hook the user registers (it
-        must average over replicas, as torch's hooks do).
+        Only autograd hooks are registered: DDP (or FSDP) reduces as it
+        would without measurement, with any communication hook the user
+        registers (it must average over replicas, as torch's hooks do).
 
         Args:
-            ddp_model: the ``DistributedDataParallel`` model trained with
-                this optimizer.
-            process_group: the group DDP reduces over (default: the model's).
+            model: the ``DistributedDataParallel`` model trained with this
+                optimizer, or the root module on which
+                ``torch.distributed.fsdp.fully_shard`` was called (FSDP on a
+                1-D mesh, HSDP on a 2-D one; see
+                :mod:`adaptive.batchsize._gns_sharded`), after
+                ``fully_shard`` and before its first forward.
+            process_group: the group the model reduces over (default: DDP's;
+                for FSDP the mesh's ranks: the 1-D mesh's group, or the
+                default group when a 2-D mesh spans it).
             average_micro_steps: divide the accumulated gradient by the
                 number of micro-steps, so ``.grad`` is the mean over the
-                whole global batch (DDP averages over replicas).
+                whole global batch (DDP and FSDP average over replicas).
             is_last_micro_step: called after each forward; whether its
                 backward ends the optimizer step.  Default: whether DDP
-                synchronises it (``no_sync()`` marks the other micro-steps).
+                synchronises it (``no_sync()`` marks the other micro-steps),
+                or whether FSDP reduces it (``set_requires_gradient_sync``).
         """
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError(f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}")
         if self._probe is not None:
             raise RuntimeError("this GradientNoiseScale is already attached to a model")
-        group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-        world_size = dist.get_world_size(group)
-        if self._config is not None and self._config.num_replicas != world_size:
-            raise ValueError(f"batch config has num_replicas={self._config.num_replicas} but the process "
-                             f"group has {world_size}")
-        if is_last_micro_step is None:
-            is_last_micro_step = lambda: bool(ddp_model.require_backward_grad_sync)  # noqa: E731
-        probe = BackwardProbe(
-            self._optimizer, ddp_model, process_group=group, world_size=world_size,
-            average_micro_steps=bool(average_micro_steps), is_last_micro_step=is_last_micro_step,
-            precondition=self._wants_precondition, precondition_interval=self._precondition_interval,
-            measure_interval=self._measure_interval, grad_scaler=lambda: self.grad_scaler,
-            on_step_start=self.flush, on_failure=self.detach)
+        common = dict(average_micro_steps=bool(average_micro_steps), is_last_micro_step=is_last_micro_step,
+                      precondition=self._wants_precondition, precondition_interval=self._precondition_interval,
+                      measure_interval=self._measure_interval, grad_scaler=lambda: self.grad_scaler,
+                      on_step_start=self.flush, on_failure=self.detach)
+        if isinstance(model, DistributedDataParallel):
+            group = process_group if process_group is not None else getattr(model, "process_group", None)
+            world_size = dist.get_world_size(group)
+            self._check_replicas(world_size)
+            if is_last_micro_step is None:
+                common["is_last_micro_step"] = lambda: bool(model.require_backward_grad_sync)
+            probe: BackwardProbe = BackwardProbe(self._optimizer, model, process_group=group,
+                                                 world_size=world_size, **common)
+        else:
+            from adaptive.batchsize._gns_sharded import ShardedProbe, fsdp_layout, is_fsdp_module
+            if not is_fsdp_module(model):
+                raise TypeError("model must be a DistributedDataParallel or a module on which fully_shard "
+                                f"was called, got {type(model).__name__}")
+            layout = fsdp_layout(model, process_group)
+            self._check_replicas(layout.world_size)
+            probe = ShardedProbe(self._optimizer, model, layout=layout, **common)
         probe.set_enabled(self._enabled)
         probe.set_config(self._config)
         self._probe = probe
+
+    def _check_replicas(self, world_size: int) -> None:
+        if self._config is not None and self._config.num_replicas != world_size:
+            raise ValueError(f"batch config has num_replicas={self._config.num_replicas} but the process "
+                             f"group has {world_size}")
 
     def detach(self) -> None:
         """Stop measuring for good; micro-steps are still averaged."""

@@ -1,8 +1,9 @@
 """Checkpoints: the state protocol and the verified on-disk store.
 
 :mod:`.states` holds the protocol every checkpointed object follows
-(:class:`State`: ``state_dict``/``load_state_dict`` with a format version)
-and saves all of a job's states together; :mod:`.store` writes and verifies
+(:class:`State`: ``state_dict``/``load_state_dict`` with a format version;
+:class:`ShardedState` adds a part every rank writes its shards of) and
+saves all of a job's states together, blocking or in the background; :mod:`.store` writes and verifies
 checkpoint directories (atomic publication, checksums, keep-K).
 """
 
@@ -10,6 +11,8 @@ from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
     "State": "adaptive.checkpoint.states",
+    "ShardedState": "adaptive.checkpoint.states",
+    "wait_for_pending_save": "adaptive.checkpoint.states",
     "save_all_states": "adaptive.checkpoint.states",
     "load_state": "adaptive.checkpoint.states",
     "resumed_checkpoint": "adaptive.checkpoint.states",

@@ -4,7 +4,12 @@ A checkpoint is a directory ``checkpoint-<seq>`` (``seq`` zero-padded to
 8 digits) holding one file per state and ``manifest.json``: the format
 name and version, the sequence number, the creation time, the caller's
 metadata and, for every state, its file name, size and SHA-256, sealed by
-a checksum over all of it. This module writes and parses that manifest
+a checksum over all of it. Format version 2 adds the *sharded part*: the
+names of the states whose shards every rank wrote through
+``torch.distributed.checkpoint`` into the subdirectory ``sharded/``, and
+every file there (DCP's ``.metadata`` and one ``__<rank>_<n>.distcp`` per
+writing rank) with its size and SHA-256. Version 1 manifests (no sharded
+part) are still read. This module writes and parses that manifest
 (:func:`encode_manifest`, :func:`read_manifest`) and checks state files
 against their records (:func:`verify_file` streams a file through
 SHA-256; :func:`read_verified` returns the exact bytes it checked, so
@@ -37,8 +42,13 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "adaptive-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds the sharded part
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+SHARDED_DIR = "sharded"  # the DCP checkpoint of a checkpoint's sharded states
+#: The only file names DCP's FileSystemWriter produces with one file per rank.
+SHARD_FILE = re.compile(r"\.metadata|__\d{1,7}_\d{1,7}\.distcp")
+DCP_METADATA = ".metadata"
 
 DIR_PREFIX = "checkpoint-"
 DIR_PATTERN = re.compile(r"checkpoint-(\d+)")
@@ -67,6 +77,31 @@ class StateEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """Manifest record of one file of the sharded part (a name in ``sharded/``)."""
+
+    file: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPart:
+    """The sharded states of a checkpoint and the DCP files that hold them."""
+
+    states: tuple[str, ...]
+    files: tuple[FileEntry, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    def entry(self, file: str) -> FileEntry | None:
+        """The record of ``file``, None if the manifest does not list it."""
+        return next((entry for entry in self.files if entry.file == file), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """Parsed, validated manifest of one checkpoint."""
 
@@ -74,11 +109,12 @@ class Manifest:
     created: float
     metadata: dict[str, Any]
     states: tuple[StateEntry, ...]
+    sharded: ShardedPart | None = None
 
     @property
     def size(self) -> int:
-        """Total size in bytes of the state files."""
-        return sum(entry.size for entry in self.states)
+        """Total size in bytes of the state files and of the sharded part."""
+        return sum(entry.size for entry in self.states) + (self.sharded.size if self.sharded else 0)
 
 
 def dir_name(seq: int) -> str:
@@ -112,6 +148,10 @@ def encode_manifest(manifest: Manifest) -> bytes:
             {"name": e.name, "file": e.file, "bytes": e.size, "sha256": e.sha256}
             for e in manifest.states
         ],
+        "sharded": None if manifest.sharded is None else {
+            "states": list(manifest.sharded.states),
+            "files": [{"file": e.file, "bytes": e.size, "sha256": e.sha256} for e in manifest.sharded.files],
+        },
     }
     body["checksum"] = manifest_checksum(body)
     return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
@@ -144,10 +184,11 @@ def read_manifest(directory: Path, seq: int) -> Manifest:
         raise InvalidCheckpoint(
             f"not an {FORMAT_NAME} manifest (format={found!r}); written by another tool?"
         )
-    if body.get("version") != FORMAT_VERSION:
+    version = body.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise InvalidCheckpoint(
-            f"unsupported format version {body.get('version')!r} "
-            f"(this library reads version {FORMAT_VERSION})"
+            f"unsupported format version {version!r} "
+            f"(this library reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     if body.get("checksum") != _safe_checksum(body):
         raise InvalidCheckpoint(f"{MANIFEST_NAME} checksum mismatch (manifest damaged)")
@@ -178,7 +219,40 @@ def _parse_manifest_body(body: dict[str, Any], seq: int) -> Manifest:
     files = [entry.file for entry in entries]
     if len(set(names)) != len(names) or len(set(files)) != len(files):
         raise InvalidCheckpoint("manifest lists a state name or file twice")
-    return Manifest(seq=seq, created=float(created), metadata=metadata, states=entries)
+    sharded = _parse_sharded(body.get("sharded")) if body["version"] >= 2 else None
+    if sharded is not None and set(sharded.states) - set(names):
+        raise InvalidCheckpoint("manifest lists a sharded state without its state file")
+    return Manifest(seq=seq, created=float(created), metadata=metadata, states=entries, sharded=sharded)
+
+
+def _parse_sharded(part: Any) -> ShardedPart | None:
+    """The sharded part of a version-2 manifest (None when the checkpoint has none)."""
+    if part is None:
+        return None
+    if not isinstance(part, dict) or not isinstance(part.get("states"), list) \
+            or not isinstance(part.get("files"), list):
+        raise InvalidCheckpoint("bad sharded part in the manifest")
+    names = part["states"]
+    if not names or not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+        raise InvalidCheckpoint(f"bad sharded state names {names!r}")
+    files = []
+    for item in part["files"]:
+        if not isinstance(item, dict) or not isinstance(item.get("file"), str) \
+                or not SHARD_FILE.fullmatch(item["file"]):
+            raise InvalidCheckpoint(f"bad or unsafe sharded file record {item!r}")
+        _check_record(item["file"], item.get("bytes"), item.get("sha256"))
+        files.append(FileEntry(file=item["file"], size=item["bytes"], sha256=item["sha256"]))
+    listed = [entry.file for entry in files]
+    if len(set(listed)) != len(listed) or DCP_METADATA not in listed:
+        raise InvalidCheckpoint("the sharded part lists a file twice or has no .metadata")
+    return ShardedPart(states=tuple(names), files=tuple(files))
+
+
+def _check_record(what: str, size: Any, digest: Any) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidCheckpoint(f"{what!r} has a bad size {size!r}")
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+        raise InvalidCheckpoint(f"{what!r} has a bad sha256 {digest!r}")
 
 
 def _parse_entry(item: Any) -> StateEntry:
@@ -190,34 +264,43 @@ def _parse_entry(item: Any) -> StateEntry:
         raise InvalidCheckpoint(f"bad state name {name!r}")
     if not isinstance(file, str) or not SAFE_FILE.fullmatch(file) or file == MANIFEST_NAME:
         raise InvalidCheckpoint(f"state {name!r} has an unsafe file name {file!r}")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise InvalidCheckpoint(f"state {name!r} has a bad size {size!r}")
-    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
-        raise InvalidCheckpoint(f"state {name!r} has a bad sha256 {digest!r}")
+    _check_record(f"state {name}", size, digest)
     return StateEntry(name=name, file=file, size=size, sha256=digest)
 
 
 # -------------------------------------------------------------- verification
 
 
-def verify_file(path: Path, entry: StateEntry) -> None:
+def verify_file(path: Path, entry: StateEntry | FileEntry) -> None:
     """Stream ``path`` through SHA-256 (one pass, reused buffer) and compare with ``entry``."""
     fd, size = _open_regular(path)
     with os.fdopen(fd, "rb", buffering=0) as file:
         _check_size(path, size, entry)
-        sha = hashlib.sha256()
-        buffer = memoryview(bytearray(min(_READ_CHUNK, max(size, 1))))
-        total = 0
-        while True:
-            count = file.readinto(buffer)
-            if not count:
-                break
-            sha.update(buffer[:count])
-            total += count
-    _check_content(path, total, sha.hexdigest(), entry)
+        total, digest = _stream_hash(file, size)
+    _check_content(path, total, digest, entry)
 
 
-def read_verified(path: Path, entry: StateEntry) -> bytes:
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size, SHA-256) of the regular file ``path`` (a writer's record of what it wrote)."""
+    fd, size = _open_regular(path)
+    with os.fdopen(fd, "rb", buffering=0) as file:
+        return _stream_hash(file, size)
+
+
+def _stream_hash(file: Any, size: int) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    buffer = memoryview(bytearray(min(_READ_CHUNK, max(size, 1))))
+    total = 0
+    while True:
+        count = file.readinto(buffer)
+        if not count:
+            break
+        sha.update(buffer[:count])
+        total += count
+    return total, sha.hexdigest()
+
+
+def read_verified(path: Path, entry: StateEntry | FileEntry) -> bytes:
     """Read ``path`` in one go and check it against ``entry``; return the bytes."""
     fd, size = _open_regular(path)
     with os.fdopen(fd, "rb", buffering=0) as file:
@@ -254,14 +337,14 @@ def _read_small(path: Path) -> bytes:
             raise InvalidCheckpoint(f"cannot read {path.name}: {exc}") from None
 
 
-def _check_size(path: Path, size: int, entry: StateEntry) -> None:
+def _check_size(path: Path, size: int, entry: StateEntry | FileEntry) -> None:
     if size != entry.size:
         raise InvalidCheckpoint(
             f"{path.name} has {size} bytes, manifest says {entry.size} (truncated or replaced)"
         )
 
 
-def _check_content(path: Path, size: int, digest: str, entry: StateEntry) -> None:
+def _check_content(path: Path, size: int, digest: str, entry: StateEntry | FileEntry) -> None:
     if size != entry.size:
         raise InvalidCheckpoint(f"{path.name} changed size while being read")
     if digest != entry.sha256:

@@ -46,11 +46,11 @@ def validate_states(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
     for name, value in items:
         if not isinstance(name, str):
             raise TypeError(f"state names must be str, got {name!r} ({type(name).__name__})")
-        _validate_value(value, f"states[{name!r}]")
+        validate_value(value, f"states[{name!r}]")
     return items
 
 
-def _validate_value(value: Any, where: str) -> None:
+def validate_value(value: Any, where: str) -> None:
     """Walk ``value`` and raise TypeError at the first unsupported object.
 
     The allowed set is a subset of what ``torch.load(weights_only=True)``
@@ -118,16 +118,21 @@ def deserialise(data: bytes, name: str, path: Path) -> Any:
         NotLoadable: the data needs an object outside the safe set, or is
             not a torch file; the message says which.
     """
+    return load_item(io.BytesIO(data), f"state {name!r} from {path}")
+
+
+def load_item(stream: Any, what: str) -> Any:
+    """Weights-only ``torch.load`` of one serialised object (a state, a DCP item); ``what`` names it in errors."""
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return torch.load(stream, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         raise NotLoadable(
-            f"refusing to load state {name!r} from {path}: {_refusal_detail(str(exc))}. "
+            f"refusing to load {what}: {_refusal_detail(str(exc))}. "
             "Only tensors, numbers, strings and containers of them load safely; anything "
             "else could run code from the file. Was it written by this library?"
         ) from None
     except Exception as exc:
-        raise NotLoadable(f"cannot deserialise state {name!r} from {path}: {exc}") from None
+        raise NotLoadable(f"cannot deserialise {what}: {exc}") from None
 
 
 def _refusal_detail(message: str) -> str:

@@ -30,14 +30,24 @@ them again; another epoch's objects never pick them up.
 
 A job is *resuming* exactly when a complete checkpoint exists; see
 :func:`resumed_checkpoint`.
+
+A :class:`ShardedState` (a model and optimizer sharded with FSDP2) adds a
+sharded part that every rank writes its own shards of, through
+``torch.distributed.checkpoint``, and that is resharded on load for the
+current world size or mesh. Saves can run in the background
+(``save_all_states(blocking=False)``, and periodic saves under
+``ADAPTIVE_ASYNC_CHECKPOINT``): only the agreement and a CPU copy of the
+states block the training loop; see :mod:`adaptive.checkpoint._saving`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
+from adaptive._utils.checks import check_bool
+from adaptive.checkpoint import _saving
 from adaptive.elastic import collectives
 from adaptive.elastic import env
 from adaptive.observe import metrics
@@ -48,7 +58,9 @@ from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatErr
 
 __all__ = [
     "State",
+    "ShardedState",
     "save_all_states",
+    "wait_for_pending_save",
     "load_state",
     "resumed_checkpoint",
     "registered_states",
@@ -117,6 +129,42 @@ class State:
         """Remove this state from the checkpoint (the object will no longer be saved)."""
         if self.is_registered():
             del _session().registry[self.name]
+
+
+class ShardedState(State):
+    """A state whose bulk is sharded across ranks (FSDP2 parameters and optimizer state).
+
+    It has two parts:
+
+    * the small part, :meth:`state_dict` / :meth:`load_state_dict` as for
+      every :class:`State` (counters, the LR scheduler, ...). At a save it
+      is called on rank 0 only, and rank 0 writes it as for any state;
+    * the sharded part, :meth:`sharded_state_dict`, called on **every**
+      rank at a save: a nested dict (str or int keys) whose leaves are
+      DTensors or tensors (and plain values such as the optimizer's
+      ``param_groups``). It is written through
+      ``torch.distributed.checkpoint``: each rank writes only its own
+      shards (a replicated plain tensor is written once).
+
+    At restore, on each rank, :meth:`load_state_dict` runs first and then
+    :meth:`load_sharded_state_dict` with a ``read`` function: ``read(target)``
+    fills ``target``, a dict shaped like what :meth:`sharded_state_dict`
+    returned with freshly allocated tensors/DTensors in the *current*
+    sharding (possibly another world size or mesh), from the saved shards,
+    and returns it (for example build targets with
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``
+    and apply the result with ``set_state_dict``). ``read`` is local to the
+    calling process: it reads the files it needs, verified, weights-only, and
+    communicates with no other rank, so restoring stays local (G1b).
+    """
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards: a nested dict of DTensors, tensors and plain values (called on every rank)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sharded_state_dict()")
+
+    def load_sharded_state_dict(self, read: Callable[[dict], dict]) -> None:
+        """Restore the sharded part: ``read(target)`` fills ``target`` from the checkpoint and returns it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_sharded_state_dict()")
 
 
 def epoch_scope() -> int | None:
@@ -227,49 +275,102 @@ def load_state(state: State) -> bool:
     except StateFormatError as error:
         raise CheckpointError(f"checkpoint {checkpoint.info.seq}: {error}") from None
     state.load_state_dict(content)
+    if isinstance(state, ShardedState):
+        if state.name not in checkpoint.sharded_names():
+            raise CheckpointError(
+                f"checkpoint {checkpoint.info.seq} holds state {state.name!r} without a sharded part (it was "
+                "saved by an unsharded object of that name); resume it with the same kind of wrapper"
+            )
+        state.load_sharded_state_dict(lambda target: checkpoint.read_sharded(state.name, target))
     return True
 
 
-def save_all_states(metadata: dict[str, Any] | None = None) -> int:
+def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = True) -> int:
     """Checkpoint every registered state; collective, call on every replica.
 
     All replicas run each state's ``sync()``, agree that they hold the same
     set of states, and then rank 0 writes the checkpoint and tells the
-    others how it went.  If a peer died, a collective fails here and nothing
-    is written, so the last complete checkpoint stays the newest.
+    others how it went; with a :class:`ShardedState` every rank writes its
+    own shards first (see :mod:`adaptive.checkpoint._saving`).  If a peer
+    died, a collective fails here and nothing is written, so the last
+    complete checkpoint stays the newest.  A save still in flight
+    (``blocking=False`` earlier) is waited for first.
+
+    Args:
+        metadata: JSON-serialisable mapping stored in the manifest.
+        blocking: False returns once the replicas agreed and the states are
+            copied to the CPU; writing and publishing continue in a
+            background thread on a process group of their own.  A failure
+            there is logged as an error and the previous checkpoint stays
+            the latest; :func:`wait_for_pending_save` waits for it (a
+            graceful stop, the end of training and the end of the process
+            do).
 
     Returns:
-        The new checkpoint's sequence number, on every replica.
+        The new checkpoint's sequence number, on every replica (not yet
+        published when ``blocking`` is False).
 
     Raises:
         TypeError: ``metadata`` is not a JSON-serialisable mapping with str keys.
-        CheckpointError: on every replica when rank 0 could not write it.
+        CheckpointError: on every replica when the checkpoint could not be
+            written (with ``blocking=False``: could not be started).
     """
     _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
+    check_bool("blocking", blocking)
+    _saving.wait_for_pending_save()
     states = registered_states()
     for state in states:
         state.sync()
-    names = sorted(state.name for state in states)
-    all_names = collectives.allgather_object(names)
-    if any(other != names for other in all_names):
+    sharded = [state for state in states if isinstance(state, ShardedState)]
+    kinds = (sorted((state.name, isinstance(state, ShardedState)) for state in states), blocking)
+    all_kinds = collectives.allgather_object(kinds)
+    if any(other != kinds for other in all_kinds):
         raise RuntimeError(
-            "replicas hold different checkpointed objects; every replica must create the same "
-            f"AdaptiveDataLoader/Accumulator/AdaptiveDataParallel objects in the same order: {all_names}"
+            "replicas hold different checkpointed objects (or disagree on blocking); every replica must create "
+            "the same AdaptiveDataLoader/Accumulator/AdaptiveDataParallel objects in the same order: "
+            f"{all_kinds}"
         )
-    outcome: tuple[int | None, str | None] = (None, None)
-    if env.rank() == 0:
-        outcome = _write(states, metadata)
-    seq, error = collectives.broadcast_object(outcome)
     session = _session()
-    session.save_count += 1
-    session.last_save_time = time.monotonic()
-    if error is not None:
-        raise CheckpointError(error)
-    return seq
+    try:
+        if sharded or not blocking:
+            return _saving.save(states, sharded, _checkpoint_store(), lambda: _manifest_info(states, metadata),
+                                blocking=blocking)
+        outcome: tuple[int | None, str | None] = (None, None)
+        if env.rank() == 0:
+            outcome = _write(states, metadata)
+        seq, error = collectives.broadcast_object(outcome)
+        if error is not None:
+            raise CheckpointError(error)
+        return seq
+    finally:
+        session.save_count += 1
+        session.last_save_time = time.monotonic()
 
 
-def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, str | None]:
-    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, why it failed)."""
+def wait_for_pending_save() -> int | None:
+    """Wait for the asynchronous save in flight, if any (local: each replica waits for its own part).
+
+    Returns:
+        Its sequence number once it is published; None when no save was in
+        flight or it failed (the failure was logged as an error, and the
+        previous checkpoint stays the latest).
+    """
+    return _saving.wait_for_pending_save()
+
+
+def periodic_saves_asynchronous() -> bool:
+    """Whether periodic checkpoints are saved in the background (``ADAPTIVE_ASYNC_CHECKPOINT``).
+
+    ``auto`` (the default) means: when a :class:`ShardedState` is registered.
+    """
+    setting = env.async_checkpoint()
+    if setting is None:
+        return any(isinstance(state, ShardedState) for state in registered_states())
+    return setting
+
+
+def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest metadata: the caller's, the job's shape, the loaders' steps and the state versions."""
     info = dict(metadata or {})
     info.setdefault("replicas", env.num_replicas())
     info.setdefault("nodes", env.num_nodes())
@@ -277,18 +378,19 @@ def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | 
     info.setdefault("loader_steps", {state.name[len(prefix):]: int(state.step) for state in states
                                      if state.name.startswith(prefix) and hasattr(state, "step")})
     info["state_versions"] = {state.name: state.version for state in states}
+    return info
+
+
+def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, str | None]:
+    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, why it failed)."""
+    info = _manifest_info(states, metadata)
     start = time.monotonic()
     try:
         saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
     except Exception as error:  # reported to every replica, which all raise CheckpointError
         logger.error("checkpoint not saved: %s", error)
         return None, f"{type(error).__name__}: {error}"
-    seconds = time.monotonic() - start
-    logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s)", saved.seq, info.get("reason", "requested"),
-                saved.size / 1e6, seconds)
-    metrics.MetricsWriter().event("checkpoint", seq=saved.seq, bytes=saved.size, seconds=seconds,
-                                  reason=info.get("reason"), step=info.get("step"), epoch=info.get("epoch"),
-                                  loader=info.get("loader"))
+    _saving.report_saved(saved.seq, saved.size, time.monotonic() - start, info)
     return saved.seq, None
 
 

@@ -23,6 +23,16 @@ every file with its size and SHA-256. The layout makes three promises:
 
 Only one process (rank 0) may write to a root; any number may read.
 
+**Sharded states.** A checkpoint may also hold a *sharded part*: one
+``torch.distributed.checkpoint`` directory ``sharded/`` that every rank
+writes its own shards into (see :mod:`._dcp_io`). For that, the save is
+split: rank 0 reserves (:meth:`~CheckpointStore.reserve`) the sequence number and
+the temporary directory, every rank writes and hashes its shards there,
+and rank 0 publishes (:meth:`~CheckpointStore.publish`): small states, a manifest
+listing the shard files too, fsync, rename. ``latest()`` hashes the shard
+files like the state files, and :meth:`Checkpoint.read_sharded` reads a
+sharded state safely and locally, resharding it to the caller's targets.
+
 Cost: ``save`` serialises each state once, hashing the chunks torch hands
 over as they are written (no second pass, no copy). ``latest()`` streams
 every file of the chosen checkpoint through SHA-256 with a reused 8 MiB
@@ -34,8 +44,9 @@ per restart; see benchmarks/bench_checkpoint.py.
 
 This module is the public API and the order of a save; the parts live in
 ``_format`` (names, manifest, verification), ``_writing`` (state files),
-``_safe_load`` (allowed contents, the weights-only load), ``_pruning`` and
-``_disk`` (every fsync, rename and removal: where tests inject failures).
+``_safe_load`` (allowed contents, the weights-only load), ``_dcp_io`` (the
+sharded part), ``_pruning`` and ``_disk`` (every fsync, rename and removal:
+where tests inject failures).
 """
 
 from __future__ import annotations
@@ -52,103 +63,32 @@ from typing import Any
 from adaptive._utils.checks import check_int
 from adaptive._utils.text import format_bytes
 from adaptive.checkpoint import _disk, _format, _pruning, _safe_load, _writing
+from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo, info_of, verified
+
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointStore", "Reservation"]
+
+# torch.distributed.checkpoint is imported by the first sharded read (``_dcp_io``): plain
+# checkpoints do not pay for it.
 
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, found, verified or safely loaded."""
-
-
 @dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """Summary of one checkpoint, read from its manifest.
+class Reservation:
+    """A save in progress: its sequence number and the temporary directory it is assembled in.
 
     Attributes:
-        seq: Sequence number; larger means newer.
-        path: The checkpoint directory.
-        created: Creation time, seconds since the Unix epoch.
-        metadata: The JSON metadata given to :meth:`CheckpointStore.save`.
-        size: Total size in bytes of the state files.
+        seq: The sequence number the checkpoint will have.
+        temp: The temporary directory (ignored by readers until published).
     """
 
     seq: int
-    path: Path
-    created: float
-    metadata: dict[str, Any]
-    size: int
-
-
-def _info(manifest: _format.Manifest, path: Path) -> CheckpointInfo:
-    """The public summary of the checkpoint at ``path`` with ``manifest``."""
-    return CheckpointInfo(seq=manifest.seq, path=path, created=manifest.created,
-                          metadata=manifest.metadata, size=manifest.size)
-
-
-class Checkpoint:
-    """One verified checkpoint; load its states by name.
-
-    Obtained from :meth:`CheckpointStore.latest` or
-    :meth:`CheckpointStore.open`. Each :meth:`load` re-reads
-    and re-verifies its file, so the object stays safe to use even if the
-    directory is modified (or pruned) afterwards: it then raises
-    :class:`CheckpointError` rather than returning wrong data.
-    """
-
-    def __init__(self, info: CheckpointInfo, entries: tuple[_format.StateEntry, ...]) -> None:
-        self._info = info
-        self._entries = {entry.name: entry for entry in entries}
-
-    def __repr__(self) -> str:
-        return f"Checkpoint(seq={self._info.seq}, path={str(self._info.path)!r})"
+    temp: Path
 
     @property
-    def info(self) -> CheckpointInfo:
-        """The manifest summary of this checkpoint."""
-        return self._info
-
-    def names(self) -> list[str]:
-        """State names in the order they were saved."""
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def load(self, name: str) -> Any:
-        """Read, verify and safely deserialise the state called ``name``.
-
-        Tensors are loaded onto the CPU.
-
-        Raises:
-            KeyError: the checkpoint has no state called ``name``.
-            CheckpointError: the file is missing, changed since it was
-                written, or needs a Python object outside the safe set.
-        """
-        entry = self._entries.get(name)
-        if entry is None:
-            raise KeyError(
-                f"checkpoint {self._info.seq} at {self._info.path} has no state named "
-                f"{name!r}; it has: {', '.join(map(repr, self._entries)) or 'none'}"
-            )
-        path = self._info.path / entry.file
-        try:
-            data = _format.read_verified(path, entry)
-        except _format.InvalidCheckpoint as exc:
-            raise CheckpointError(
-                f"cannot load state {name!r} of checkpoint {self._info.seq}: {exc}"
-            ) from None
-        try:
-            return _safe_load.deserialise(data, name, path)
-        except _safe_load.NotLoadable as exc:
-            raise CheckpointError(str(exc)) from None
-
-
-def _verified(directory: Path, seq: int) -> Checkpoint:
-    """Check the manifest and hash every file of one checkpoint directory."""
-    manifest = _format.read_manifest(directory, seq)
-    for entry in manifest.states:
-        _format.verify_file(directory / entry.file, entry)
-    return Checkpoint(_info(manifest, directory), manifest.states)
+    def sharded_dir(self) -> Path:
+        """Where the ranks write the sharded part (created by :meth:`CheckpointStore.reserve`)."""
+        return self.temp / _format.SHARDED_DIR
 
 
 class CheckpointStore:
@@ -213,11 +153,68 @@ class CheckpointStore:
         """
         items = _safe_load.validate_states(states)
         meta = _safe_load.validate_metadata(metadata)
-        started = time.perf_counter()
+        return self._publish(self.reserve(), items, meta, None)
+
+    def reserve(self, sharded: bool = False) -> Reservation:
+        """Start a save: pick its sequence number and create its temporary directory.
+
+        With ``sharded``, the directory for the sharded part is created too
+        (its path is :attr:`Reservation.sharded_dir`), for every rank to
+        write its shards into. Finish with :meth:`publish` or :meth:`abandon`.
+
+        Raises:
+            CheckpointError: the root or the directories cannot be created.
+        """
         self._ensure_root()
         seq = self._next_seq()
+        temp = self._root / _format.temp_name()
+        try:
+            _disk.make_dir(temp)
+            if sharded:
+                _disk.make_dir(temp / _format.SHARDED_DIR)
+        except OSError as exc:
+            _discard_temp(temp)
+            raise CheckpointError(f"could not start checkpoint {seq} under {self._root}: {exc}") from exc
+        return Reservation(seq=seq, temp=temp)
+
+    def publish(
+        self,
+        reservation: Reservation,
+        states: Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        sharded: _format.ShardedPart | None = None,
+    ) -> CheckpointInfo:
+        """Write ``states`` and the manifest into a reserved save, rename it into place, prune.
+
+        ``sharded`` lists the sharded states and the files every rank wrote
+        into :attr:`Reservation.sharded_dir` (each with its size and SHA-256;
+        they are fsync'ed by their writers). Arguments as for :meth:`save`.
+        On failure the temporary directory is removed and nothing is published.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`save` (the reservation is abandoned).
+            CheckpointError: writing failed.
+        """
+        try:
+            items = _safe_load.validate_states(states)
+            meta = _safe_load.validate_metadata(metadata)
+        except Exception:
+            self.abandon(reservation)
+            raise
+        return self._publish(reservation, items, meta, sharded)
+
+    def abandon(self, reservation: Reservation) -> None:
+        """Give up a reserved save: remove its temporary directory (best effort; pruned later otherwise)."""
+        _discard_temp(reservation.temp)
+
+    def _publish(
+        self, reservation: Reservation, items: list[tuple[str, Any]], meta: dict[str, Any],
+        sharded: _format.ShardedPart | None,
+    ) -> CheckpointInfo:
+        started = time.perf_counter()
+        seq = reservation.seq
         final = self._root / _format.dir_name(seq)
-        manifest = self._write_and_publish(seq, items, meta, final)
+        manifest = self._write_and_publish(reservation, items, meta, final, sharded)
         try:
             _disk.fsync_dir(self._root)
         except OSError as exc:
@@ -225,7 +222,7 @@ class CheckpointStore:
                 f"checkpoint {seq} was renamed into place but syncing {self._root} failed "
                 f"({exc}); it may not survive a power loss"
             ) from exc
-        info = _info(manifest, final)
+        info = info_of(manifest, final)
         elapsed = time.perf_counter() - started
         # DEBUG: the job-level INFO line is adaptive.checkpoint.states' "checkpoint N saved (...)"
         logger.debug(
@@ -240,22 +237,26 @@ class CheckpointStore:
         return info
 
     def _write_and_publish(
-        self, seq: int, items: list[tuple[str, Any]], metadata: dict[str, Any], final: Path
+        self, reservation: Reservation, items: list[tuple[str, Any]], metadata: dict[str, Any], final: Path,
+        sharded: _format.ShardedPart | None,
     ) -> _format.Manifest:
-        """Build the checkpoint in a temp dir, then rename it to ``final``.
+        """Build the checkpoint in its temp dir, then rename it to ``final``.
 
         On any failure the temp dir is removed (best effort) and the error
         re-raised as CheckpointError; nothing appears under a final name.
         """
-        temp = self._root / _format.temp_name()
+        seq, temp = reservation.seq, reservation.temp
         try:
-            _disk.make_dir(temp)
+            if sharded is not None:
+                _check_sharded(reservation, sharded, {name for name, _ in items})
             entries = tuple(
                 _writing.write_state(temp, index, name, value)
                 for index, (name, value) in enumerate(items)
             )
             manifest = _format.Manifest(seq=seq, created=time.time(), metadata=metadata,
-                                        states=entries)
+                                        states=entries, sharded=sharded)
+            if sharded is not None:
+                _disk.fsync_dir(reservation.sharded_dir)
             _writing.write_manifest(temp, _format.encode_manifest(manifest))  # last: completeness
             _disk.fsync_dir(temp)
             _publish(temp, final)
@@ -278,7 +279,7 @@ class CheckpointStore:
         infos = []
         for seq, path in sorted(self._scan()):
             try:
-                infos.append(_info(_format.read_manifest(path, seq), path))
+                infos.append(info_of(_format.read_manifest(path, seq), path))
             except _format.InvalidCheckpoint as exc:
                 logger.debug("not listing %s: %s", path, exc)
         return infos
@@ -296,7 +297,7 @@ class CheckpointStore:
         problems: list[str] = []
         for seq, path in candidates:
             try:
-                checkpoint = _verified(path, seq)
+                checkpoint = verified(path, seq)
             except _format.InvalidCheckpoint as exc:
                 logger.warning("skipping checkpoint %s: %s", path, exc)
                 problems.append(f"  {path}: {exc}")
@@ -327,7 +328,7 @@ class CheckpointStore:
         if not paths:
             raise CheckpointError(f"checkpoint {seq} does not exist under {self._root}")
         try:
-            return _verified(paths[0], seq)
+            return verified(paths[0], seq)
         except _format.InvalidCheckpoint as exc:
             raise CheckpointError(f"checkpoint {seq} at {paths[0]} cannot be used: {exc}") from None
 
@@ -374,6 +375,20 @@ class CheckpointStore:
         """Delete old checkpoints, damaged leftovers and abandoned temp dirs (see :mod:`._pruning`)."""
         _pruning.prune(self._root, self._keep, newest, list(self._scan()))
 
+
+
+def _check_sharded(reservation: Reservation, sharded: _format.ShardedPart, names: set[str]) -> None:
+    """The sharded part lists exactly the files in the sharded directory, for states that are saved."""
+    missing = set(sharded.states) - names
+    if missing:
+        raise CheckpointError(f"sharded states {sorted(missing)} have no small state_dict() part")
+    on_disk = set(os.listdir(reservation.sharded_dir))
+    listed = {entry.file for entry in sharded.files}
+    if on_disk != listed or _format.DCP_METADATA not in listed:
+        raise CheckpointError(
+            f"the sharded part of checkpoint {reservation.seq} is incomplete or has extra files: "
+            f"listed {sorted(listed)}, found {sorted(on_disk)}"
+        )
 
 
 def _publish(temp: Path, final: Path) -> None:

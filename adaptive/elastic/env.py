@@ -28,6 +28,9 @@ Variables of our own:
     Seconds between periodic checkpoints (fractions allowed, 0 disables).
 ``ADAPTIVE_CHECKPOINT_KEEP``
     How many complete checkpoints to keep (default 2).
+``ADAPTIVE_ASYNC_CHECKPOINT``
+    Whether periodic checkpoints are written in the background: ``auto``
+    (default: when a sharded state is registered), ``1`` or ``0``.
 ``ADAPTIVE_COLLECTIVE_TIMEOUT``
     Seconds after which a collective with a dead or stuck peer fails.
 """
@@ -53,6 +56,7 @@ __all__ = [
     "tensorboard_path",
     "checkpoint_interval",
     "checkpoint_keep",
+    "async_checkpoint",
     "collective_timeout",
     "torchelastic_restart_count",
     "progress_interval",
@@ -187,6 +191,22 @@ def checkpoint_interval() -> float:
 def checkpoint_keep() -> int:
     """How many complete checkpoints are kept on disk."""
     return _int_var("ADAPTIVE_CHECKPOINT_KEEP", 2, minimum=1)
+
+
+def async_checkpoint() -> bool | None:
+    """Whether periodic checkpoints are saved in the background (``ADAPTIVE_ASYNC_CHECKPOINT``).
+
+    True for ``1``, False for ``0``, None for ``auto`` (the default): the
+    checkpoint code then decides, asynchronous exactly when a sharded state
+    (FSDP) is registered.
+    """
+    raw = os.environ.get("ADAPTIVE_ASYNC_CHECKPOINT")
+    value = (raw or "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"environment variable ADAPTIVE_ASYNC_CHECKPOINT={raw!r} must be auto, 1 or 0")
 
 
 def collective_timeout() -> float:

@@ -172,7 +172,12 @@ def _left_early(state: _EpochState, epoch: int) -> None:
 
 
 def _save_finished(state: _EpochState) -> None:
-    """Checkpoint the finished job (before the last agreement, which a due checkpoint then skips)."""
+    """Checkpoint the finished job (before the last agreement, which a due checkpoint then skips).
+
+    Blocking: an asynchronous save still in flight is finished first, and the
+    finished checkpoint is durable when this returns.
+    """
+    states.wait_for_pending_save()
     states.save_all_states(dict(_epoch_metadata(state), reason="finished"))
     what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,

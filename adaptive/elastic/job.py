@@ -48,6 +48,9 @@ class CheckpointSession:
     save_count: int = 0
     epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
     name_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    pending_save: Any = None  # the asynchronous save in flight (adaptive.checkpoint._saving)
+    save_group: Any = None  # the gloo group of asynchronous saves, created by the first one
+    exit_wait_registered: bool = False  # the end of the process waits for the save in flight
 
 
 @dataclasses.dataclass

@@ -27,8 +27,11 @@ A stop or a due checkpoint is acted on within about two agreement intervals
 (or two steps, whichever is longer) inside loader loops; plain code between
 loops delays it by its own duration.
 
-A graceful stop (SIGTERM or SIGINT) saves a checkpoint and exits with code
-143, inside torchrun's 30 s shutdown window.  If that checkpoint cannot be
+A graceful stop (SIGTERM or SIGINT) waits for an asynchronous checkpoint
+still in flight, saves a checkpoint and exits with code 143, inside
+torchrun's 30 s shutdown window.  Periodic checkpoints are written in the
+background when ``ADAPTIVE_ASYNC_CHECKPOINT`` says so (see
+:func:`adaptive.checkpoint.states.periodic_saves_asynchronous`).  If that checkpoint cannot be
 written the process says why and exits with code 1, and ``adaptive-run``
 reports the failure instead of a clean stop.  A second SIGINT interrupts at
 once.  If a peer died, the agreement itself fails: this replica then exits
@@ -181,11 +184,20 @@ def _act(metadata: Callable[[], dict]) -> None:
     if stop > 0:
         _stop(dict(metadata(), reason="stop"))
     if due > 0:
-        states.save_all_states(dict(metadata(), reason="periodic"))
+        info = dict(metadata(), reason="periodic")
+        if states.periodic_saves_asynchronous():  # ADAPTIVE_ASYNC_CHECKPOINT
+            states.save_all_states(info, blocking=False)
+        else:
+            states.save_all_states(info)
 
 
 def _stop(info: dict) -> None:
-    """Save the stop's checkpoint and exit: 143 when it is durable, 1 (saying why) when not."""
+    """Save the stop's checkpoint and exit: 143 when it is durable, 1 (saying why) when not.
+
+    An asynchronous save still in flight is finished first (its failure is
+    logged; the stop's own checkpoint is written either way).
+    """
+    states.wait_for_pending_save()
     try:
         seq = states.save_all_states(info)
     except Exception as error:

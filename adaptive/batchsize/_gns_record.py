@@ -1,0 +1,50 @@
+"""The device-side record of one measured optimizer step.
+
+The hooks (:mod:`adaptive.batchsize._gns_hooks`, :mod:`adaptive.batchsize._gns_sharded`)
+leave each measured step's per-group squared norms on the device, with the
+all-reduce that combines the replicas still in flight; the estimator reads
+them (one wait, one copy of a few floats to the host) when it folds the step
+into its averages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from adaptive.batchsize.noise_estimate import BatchConfig, Measurement
+
+__all__ = ["StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """Device-side measurements of one optimizer step, read at flush time."""
+
+    estimator: str
+    config: BatchConfig
+    count: int
+    big: torch.Tensor
+    local: torch.Tensor | None = None
+    work: Any = None
+    scale: torch.Tensor | None = None
+    prev: torch.Tensor | None = None
+    prev_scale: torch.Tensor | None = None
+    cross: torch.Tensor | None = None
+
+    def read(self) -> Measurement:
+        """The measurement on the host: waits for the all-reduce, then one copy."""
+        if self.work is not None:
+            self.work.wait()
+        parts = [self.big, self.local, self.prev, self.cross, self.scale, self.prev_scale]
+        device = self.big.device
+        present = [p.reshape(-1).to(device, torch.float32) for p in parts if p is not None]
+        values = iter(np.split(torch.cat(present).double().cpu().numpy(),
+                               np.cumsum([p.numel() for p in present])[:-1]))
+        big, local, prev, cross, scale, prev_scale = (next(values) if p is not None else None for p in parts)
+        return Measurement(self.estimator, self.config, self.count, big, local=local, prev=prev, cross=cross,
+                           scale=float(scale[0]) if scale is not None else None,
+                           prev_scale=float(prev_scale[0]) if prev_scale is not None else None)

@@ -1,0 +1,282 @@
+"""The collective order of a save with sharded states or in the background.
+
+Used by :func:`adaptive.checkpoint.states.save_all_states` whenever a
+:class:`~adaptive.checkpoint.states.ShardedState` is registered or the
+save is asynchronous (a save of small states only, blocking, keeps the
+simpler order of that module: rank 0 writes, then tells the others).
+
+1. **Reservation** (blocking, control group): rank 0 picks the sequence
+   number and creates the temporary directory; it broadcasts both.
+2. **Preparation** (blocking): every rank takes ``sharded_state_dict()``
+   of each sharded state, rank 0 ``state_dict()`` of every state; an
+   asynchronous save copies them to the CPU here (:mod:`._staging`). The
+   ranks then agree that every rank got this far, so that no rank enters
+   the collective write alone.
+3. **Writing** (blocking, or in a background thread on a gloo group of its
+   own, created collectively by the first asynchronous save): every rank
+   writes its shards through DCP and hashes its files; rank 0 gathers the
+   records, writes the small states and the manifest, fsyncs and renames
+   (:meth:`~adaptive.checkpoint.store.CheckpointStore.publish`), and
+   broadcasts how it went.
+
+Whatever fails, a rank killed or a disk full, nothing is published: rank 0
+removes the temporary directory (or a later save prunes it) and every rank
+raises :class:`~adaptive.checkpoint.store.CheckpointError` (a background
+save logs it as an error instead, records a ``checkpoint_failed`` metrics
+event, and the previous checkpoint stays the latest). At most one save is
+in flight: the next save, a graceful stop, the end of training and the end
+of the process wait for it (:func:`wait_for_pending_save`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from adaptive.checkpoint import _format, _safe_load
+from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
+from adaptive.elastic import collectives, env
+from adaptive.elastic.job import CheckpointSession, Job, current_job, on_reset
+from adaptive.observe import metrics
+
+logger = logging.getLogger(__name__)
+
+
+def _session() -> CheckpointSession:
+    return current_job().checkpoints
+
+
+@dataclasses.dataclass
+class _Save:
+    """One save after its reservation and preparation: what is left to write, on this rank."""
+
+    seq: int
+    temp: Path
+    reservation: Reservation | None  # rank 0 only
+    store: CheckpointStore
+    flat: dict[str, Any] | None  # this rank's flattened sharded states, None without any
+    sharded: tuple[str, ...]
+    small: dict[str, Any] | None  # rank 0: every state's state_dict()
+    info: dict[str, Any] | None  # rank 0: the manifest metadata
+    started: float  # monotonic, when save_all_states was called
+    blocked: float = 0.0  # seconds the caller was blocked (asynchronous saves)
+
+
+class _Pending:
+    """The save running in the background thread."""
+
+    def __init__(self, save: _Save, group: Any) -> None:
+        self.seq = save.seq
+        self.result: int | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, args=(save, group), name=f"adaptive-save-{save.seq}")
+
+    def _run(self, save: _Save, group: Any) -> None:
+        try:
+            self.result = _write(save, group)
+        except BaseException as error:  # reported, never raised: the training goes on
+            self.error = f"{type(error).__name__}: {error}"
+            if env.rank() == 0:
+                logger.error("asynchronous checkpoint %d was not saved (%s); the previous checkpoint stays the "
+                             "latest", save.seq, self.error)
+                info = save.info or {}
+                metrics.MetricsWriter().event("checkpoint_failed", seq=save.seq, error=self.error,
+                                              reason=info.get("reason"), step=info.get("step"),
+                                              epoch=info.get("epoch"))
+            else:
+                logger.debug("asynchronous checkpoint %d failed: %s", save.seq, self.error)
+
+
+def save(states: list[Any], sharded: list[Any], store: CheckpointStore, info: Callable[[], dict[str, Any]],
+         *, blocking: bool) -> int:
+    """Steps 1-3 above; returns the sequence number (reserved, not yet published, if not ``blocking``)."""
+    started = time.monotonic()
+    rank0 = env.rank() == 0
+    reservation, outcome = None, (None, None, None)
+    if rank0:
+        try:
+            reservation = store.reserve(sharded=bool(sharded))
+            outcome = (reservation.seq, str(reservation.temp), None)
+        except Exception as error:
+            logger.error("checkpoint not saved: %s", error)
+            outcome = (None, None, f"{type(error).__name__}: {error}")
+    seq, temp, error = collectives.broadcast_object(outcome)
+    if error is not None:
+        raise CheckpointError(error)
+    job = _Save(seq=seq, temp=Path(temp), reservation=reservation, store=store, flat=None,
+                sharded=tuple(state.name for state in sharded), small=None, info=None, started=started)
+    problem = None
+    try:
+        _prepare(job, states, sharded, info, staged=not blocking)
+    except Exception as error:
+        problem = f"rank {env.rank()}: {type(error).__name__}: {error}"
+    try:
+        problems = [p for p in collectives.allgather_object(problem) if p is not None]
+    except collectives.CollectiveError:  # a peer died: nothing will be published
+        if reservation is not None:
+            store.abandon(reservation)
+        raise
+    if problems:
+        if reservation is not None:
+            store.abandon(reservation)
+        if rank0:
+            logger.error("checkpoint not saved: %s", "; ".join(problems))
+        raise CheckpointError("; ".join(problems))
+    if blocking:
+        return _write(job, collectives.control_group())
+    job.blocked = time.monotonic() - started
+    pending = _Pending(job, _background_group())
+    session = _session()
+    session.pending_save = pending
+    if not session.exit_wait_registered:
+        atexit.register(_wait_at_exit, current_job())
+        session.exit_wait_registered = True
+    pending.thread.start()
+    return seq
+
+
+def _prepare(job: _Save, states: list[Any], sharded: list[Any], info: Callable[[], dict[str, Any]],
+             staged: bool) -> None:
+    """Step 2 on this rank: collect (and for the background, copy) what will be written."""
+    from adaptive.checkpoint import _dcp_io, _staging  # DCP and DTensor: imported by the first such save
+
+    if sharded:
+        job.flat = _dcp_io.flatten({state.name: state.sharded_state_dict() for state in sharded})
+        if staged:
+            job.flat = _staging.stage_flat(job.flat)
+    if env.rank() == 0:
+        small = {state.name: state.state_dict() for state in states}
+        _safe_load.validate_states(small)  # refused before any shard is written
+        job.small = _staging.stage_states(small) if staged else small
+        job.info = info()
+
+
+def _write(job: _Save, group: Any) -> int:
+    """Step 3 on this rank (collective over ``group``); returns the sequence number or raises CheckpointError."""
+    from adaptive.checkpoint import _dcp_io
+
+    records: list[_format.FileEntry] = []
+    problem = None
+    try:
+        if job.flat is not None:
+            records = _dcp_io.write_shards(job.temp / _format.SHARDED_DIR, job.flat, group,
+                                           coordinator=env.rank() == 0)
+    except _dcp_io.DCP_ERRORS as error:  # DCP reports every rank's failure on every rank
+        inner = _dcp_io.underlying(error)
+        problem = f"rank {env.rank()}: {type(inner).__name__}: {inner}"
+    job.flat = None  # the staged copy is not needed any more
+    outcome: tuple[int | None, str | None] = (None, None)
+    try:
+        gathered = _allgather(group, (records, problem))
+        if job.reservation is not None:
+            outcome = _publish(job, gathered)
+        seq, error = _broadcast(group, outcome)
+    except collectives.CollectiveError as error:
+        if job.reservation is not None and outcome == (None, None):
+            job.store.abandon(job.reservation)
+        raise CheckpointError(f"checkpoint {job.seq} not saved: {error}") from error
+    if error is not None:
+        raise CheckpointError(error)
+    return seq
+
+
+def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]) -> tuple[int | None, str | None]:
+    """Rank 0: publish the checkpoint if every rank wrote its shards; (seq, None) or (None, why not)."""
+    problems = [problem for _, problem in gathered if problem is not None]
+    if problems:
+        job.store.abandon(job.reservation)
+        logger.error("checkpoint %d not saved: %s", job.seq, "; ".join(problems))
+        return None, "; ".join(problems)
+    files = tuple(sorted((entry for records, _ in gathered for entry in records), key=lambda e: e.file))
+    sharded = _format.ShardedPart(states=job.sharded, files=files) if job.sharded else None
+    try:
+        saved = job.store.publish(job.reservation, job.small, job.info, sharded)
+    except Exception as error:
+        logger.error("checkpoint %d not saved: %s", job.seq, error)
+        return None, f"{type(error).__name__}: {error}"
+    report_saved(saved.seq, saved.size, time.monotonic() - job.started, job.info,
+                 blocked=job.blocked if job.blocked else None)
+    return saved.seq, None
+
+
+def report_saved(seq: int, size: int, seconds: float, info: dict[str, Any], blocked: float | None = None) -> None:
+    """Rank 0's INFO line and metrics event for a saved checkpoint (``blocked``: an asynchronous save)."""
+    how = "" if blocked is None else f"; in the background, training blocked {blocked:.2f} s"
+    logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s%s)", seq, info.get("reason", "requested"),
+                size / 1e6, seconds, how)
+    extra = {} if blocked is None else {"blocked_seconds": blocked}
+    metrics.MetricsWriter().event("checkpoint", seq=seq, bytes=size, seconds=seconds, reason=info.get("reason"),
+                                  step=info.get("step"), epoch=info.get("epoch"), loader=info.get("loader"), **extra)
+
+
+# ------------------------------------------------------------- background
+
+
+def wait_for_pending_save(job: Job | None = None) -> int | None:
+    """Wait for the asynchronous save in flight; its sequence number, or None if none was in flight or it failed.
+
+    A failure was logged (as an error, on rank 0) by the save itself;
+    the previous checkpoint stays the latest.
+    """
+    session = (job or current_job()).checkpoints
+    pending = session.pending_save
+    if pending is None:
+        return None
+    if pending.thread.is_alive():
+        logger.debug("waiting for asynchronous checkpoint %d", pending.seq)
+    pending.thread.join()
+    session.pending_save = None
+    return pending.result
+
+
+def _wait_at_exit(job: Job) -> None:
+    try:
+        wait_for_pending_save(job)
+    except Exception:  # the process is ending; the save logged its own failure
+        logger.debug("waiting for the asynchronous checkpoint at exit failed", exc_info=True)
+
+
+def _background_group() -> Any:
+    """The gloo group of background saves (created collectively at the first one); None with one process."""
+    session = _session()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if session.save_group is None:
+        timeout = datetime.timedelta(seconds=env.collective_timeout())
+        session.save_group = dist.new_group(backend="gloo", timeout=timeout)
+    return session.save_group
+
+
+def _allgather(group: Any, obj: Any) -> list[Any]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except (RuntimeError, dist.DistError) as error:
+        raise collectives.CollectiveError(f"gathering the shard records failed: a peer died or hung "
+                                          f"({type(error).__name__}: {error})") from error
+    return out
+
+
+def _broadcast(group: Any, obj: Any) -> Any:
+    if group is None or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    except (RuntimeError, dist.DistError) as error:
+        raise collectives.CollectiveError(f"broadcasting the outcome failed: a peer died or hung "
+                                          f"({type(error).__name__}: {error})") from error
+    return box[0]
+
+
+on_reset(lambda old: _wait_at_exit(old))  # a reset job (tests' in-process restarts) finishes its save first

@@ -1,0 +1,222 @@
+"""What every adaptive model wrapper shares: argument checks, LR rules, accumulation.
+
+:class:`~adaptive.AdaptiveDataParallel` (DDP) and
+:class:`~adaptive.AdaptiveFSDP` (FSDP2) differ in how gradients are
+reduced and how their state is saved; everything else is here, written
+once:
+
+* the checks of the optimizer, LR scheduler and grad scaler arguments;
+* :class:`TrainedModel`, the face the data loader reads from the model it
+  trains (``gns``, ``scaling_rule``, ``step_lr``, :meth:`gradient_divisor`)
+  and the TensorBoard export;
+* :func:`wire_optimizer`: the LR scaling rule and the loader's per-step LR
+  factor as optimizer step hooks, and the accumulation rules of the
+  ordinary loop: on every micro-step but the last ``optimizer.step()``
+  does nothing, and ``zero_grad()`` acts only on the first micro-step of
+  each optimizer step.  (torch has no hook that can skip a step, so these
+  two methods are wrapped on the optimizer instance.)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+
+from adaptive.batchsize.gns import GradientNoiseScale
+from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
+from adaptive.batchsize.step_lr import StepLRFactor
+from adaptive.elastic import env, sync_points
+from adaptive.elastic.job import current_job
+from adaptive.observe.metrics import tensorboard_prefix
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainedModel", "TrainingParts", "check_optimizer", "check_lr_scheduler", "check_scaler", "check_name",
+           "check_gns_interval", "loader_lr_factor", "is_accumulation_step", "is_continuing_accumulation",
+           "wire_optimizer"]
+
+
+def check_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+    """``optimizer`` is a torch optimizer holding only parameters of the model (``params``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    model_params = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in model_params:
+                raise ValueError("optimizer holds parameters that are not in the model; build the optimizer "
+                                 "from model.parameters() before wrapping")
+
+
+def check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``lr_scheduler`` is None or a scheduler stepping ``optimizer``."""
+    if lr_scheduler is None:
+        return
+    methods = ("step", "state_dict", "load_state_dict")
+    if not all(callable(getattr(lr_scheduler, method, None)) for method in methods):
+        raise TypeError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler (or an object with step(), "
+                        f"state_dict() and load_state_dict()), got {type(lr_scheduler).__name__} {lr_scheduler!r}")
+    stepped = getattr(lr_scheduler, "optimizer", optimizer)
+    if stepped is not optimizer:
+        raise ValueError("lr_scheduler steps another optimizer than the one given; build it from the same optimizer")
+
+
+def check_scaler(scaler: Any) -> None:
+    """``scaler`` is None or a ``torch.amp.GradScaler``-like object."""
+    if scaler is None:
+        return
+    methods = ("scale", "step", "update", "state_dict", "load_state_dict")
+    if not all(callable(getattr(scaler, method, None)) for method in methods):
+        hint = (" (the fourth positional argument is scaler; pass the checkpoint name as name=...)"
+                if isinstance(scaler, str) else "")
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__} {scaler!r}{hint}")
+
+
+def check_name(name: Any) -> str:
+    """A wrapper's checkpoint name: a non-empty string."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    return name
+
+
+def check_gns_interval(gns_interval: Any) -> int:
+    """Optimizer steps between noise measurements: an int >= 1."""
+    if isinstance(gns_interval, bool) or not isinstance(gns_interval, int) or gns_interval < 1:
+        raise ValueError(f"gns_interval must be an int >= 1 (optimizer steps), got {gns_interval!r}")
+    return gns_interval
+
+
+# ---------------------------------------------------------------- checkpointed companions of the model
+class TrainingParts:
+    """The LR scheduler, grad scaler, noise-scale and scaling-rule state both wrappers checkpoint.
+
+    Their state dicts sit at the top level of the wrapper's checkpointed
+    state, under ``gns``, ``scaling_rule``, ``lr_scheduler`` and ``scaler``
+    (these two when given); a part missing from a checkpoint starts fresh, with a
+    warning.
+    """
+
+    def __init__(self, lr_scheduler: Any, scaler: Any, gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
+        self._parts = {"gns": gns, "scaling_rule": scaling_rule, "lr_scheduler": lr_scheduler, "scaler": scaler}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: part.state_dict() for key, part in self._parts.items() if part is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, part in self._parts.items():
+            if part is None:
+                continue
+            if key not in state:
+                logger.warning("the checkpoint has no %s state; %s starts fresh", key, key)
+                continue
+            part.load_state_dict(state[key])
+
+
+# ---------------------------------------------------------------- the loader's view of the step
+def loader_lr_factor() -> float:
+    """The running loader's LR factor for the current step (1 outside loader loops)."""
+    loader = current_job().training.loop
+    return 1.0 if loader is None else loader.lr_factor
+
+
+def _micro_step() -> tuple[int, int] | None:
+    loader = current_job().training.loop
+    return None if loader is None else loader.micro_step
+
+
+def is_accumulation_step() -> bool:
+    """A micro-step that is not the last of its optimizer step."""
+    micro = _micro_step()
+    return micro is not None and micro[0] < micro[1] - 1
+
+
+def is_continuing_accumulation() -> bool:
+    """A micro-step that is not the first of its optimizer step."""
+    micro = _micro_step()
+    return micro is not None and micro[0] > 0
+
+
+def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, skip: Callable[[], bool]) -> None:
+    """Make ``optimizer.<method>()`` a no-op while ``skip()`` holds."""
+    original = getattr(optimizer, method)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if skip():
+            return None
+        return original(*args, **kwargs)
+
+    setattr(optimizer, method, wrapper)
+
+
+def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, gns: GradientNoiseScale) -> StepLRFactor:
+    """Attach the scaling rule and the loader's LR factor to ``optimizer``, and the accumulation rules.
+
+    The loader's per-step LR factor (actual / planned step size) nests
+    around the rule's hooks.  Returns the attached :class:`StepLRFactor`.
+    """
+    step_lr = StepLRFactor(loader_lr_factor)
+    step_lr.attach_around(optimizer, lambda: scaling_rule.attach(optimizer, gns))
+    _skip_during_accumulation(optimizer, "step", is_accumulation_step)
+    _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
+    return step_lr
+
+
+# ---------------------------------------------------------------- the wrappers' shared face
+class TrainedModel:
+    """Mixin of the adaptive model wrappers: what the loader and the tools read from them.
+
+    A wrapper sets ``optimizer``, ``lr_scheduler``, ``scaler``, ``gns``,
+    ``scaling_rule`` and ``step_lr`` and then calls :meth:`_register_with_job`.
+    """
+
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    scaler: Any
+    gns: GradientNoiseScale
+    scaling_rule: ScalingRule
+    step_lr: StepLRFactor
+
+    def _make_gns_and_rule(self, optimizer: torch.optim.Optimizer, scaler: Any, scaling_rule: Any,
+                           gns_interval: int) -> None:
+        self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler, measure_interval=gns_interval)
+        self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
+
+    def _register_with_job(self) -> None:
+        """The loader configures and reads every model it trains; stops are caught from now on."""
+        training = current_job().training
+        training.model = self
+        training.models.add(self)
+        sync_points.install_signal_handlers()
+
+    def gradient_divisor(self, micro_steps: int) -> int:
+        """What the reduction divides the gradient summed over replicas and micro-steps by.
+
+        The gradient reduction averages over replicas and the noise-scale
+        measurement (:meth:`adaptive.batchsize.gns.GradientNoiseScale.attach`)
+        over the step's ``micro_steps``; the loader uses this to weight
+        losses so a step's gradient is a mean over its samples or tokens.
+        """
+        return env.num_replicas() * micro_steps
+
+    def to_tensorboard(self, writer: Any, step: int, *, tag_prefix: str = "") -> None:
+        """Write the gradient statistics and LR scaling as TensorBoard scalars.
+
+        Tags are ``<tag_prefix>noise_scale``, ``grad_sqr``, ``grad_var`` (once
+        the noise is measured), ``gain``, ``lr_factor`` and ``progress``; the
+        default prefix is ``adaptive/`` and a ``/`` is appended to a prefix
+        that lacks one (see :func:`adaptive.observe.metrics.tensorboard_prefix`).
+        """
+        prefix = tensorboard_prefix(tag_prefix)
+        values = {"gain": self.scaling_rule.last_gain, "lr_factor": self.scaling_rule.last_factor,
+                  "progress": self.scaling_rule.progress}
+        if self.gns.to_grad_params() is not None:
+            values = {"noise_scale": self.gns.noise_scale(), "grad_sqr": self.gns.sqr_avg(),
+                      "grad_var": self.gns.var_avg(), **values}
+        for key, value in values.items():
+            if math.isfinite(value):
+                writer.add_scalar(f"{prefix}{key}", value, step)

@@ -1,0 +1,230 @@
+"""AdaptiveFSDP: FSDP2 (``fully_shard``) whose training state survives restarts and rescales.
+
+The sharded counterpart of :class:`~adaptive.AdaptiveDataParallel`, for
+models that do not fit on one device, or whose optimizer state does not.
+The ordinary loop is the same::
+
+    model = adaptive.AdaptiveFSDP(model, optimizer, lr_scheduler)
+    for epoch in adaptive.remaining_epochs_until(epochs):
+        for batch in loader:
+            loss = loss_fn(model(batch.x), batch.y)
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+What it does, on top of ``fully_shard``:
+
+* **Sharding.** It applies ``fully_shard`` to each transformer block (each
+  element of every ``nn.ModuleList``; ``shard=`` picks others) and then to
+  the root, on a 1-D mesh over all replicas or a 2-D HSDP mesh
+  (:func:`~adaptive.parallel.sharding_mesh`).  A module on which the user
+  already called ``fully_shard`` is taken as it is.  An optimizer built on
+  the unsharded model is pointed at the sharded parameters.
+* **Checkpoints** (guarantee G3) go through ``torch.distributed.checkpoint``:
+  every replica writes only its own shards of the model and optimizer
+  state (FQN-keyed, from ``get_state_dict``), rank 0 the small rest (LR
+  scheduler, grad scaler, noise-scale and scaling-rule state); a restart
+  on another number of replicas or another mesh reshards on load
+  (:class:`~adaptive.checkpoint.states.ShardedState`).
+* **Accumulation.** On every micro-step but the last, FSDP2's gradient
+  reduction is switched off (``set_requires_gradient_sync(False)``), so
+  gradients are reduce-scattered once per optimizer step; ``optimizer.step()``
+  does nothing and ``zero_grad()`` acts only on the first micro-step.
+* **Gradient noise scale** (``model.gns``) measured from the unsharded
+  local gradients FSDP2 already holds and the sharded reduced ones (see
+  :mod:`adaptive.batchsize._gns_sharded`), and the LR scaling rule
+  (``model.scaling_rule``), so the loader's adaptive batch sizes, token
+  budgets and ramp-up work as with DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
+
+from adaptive.checkpoint import states
+from adaptive.checkpoint.store import CheckpointError
+from adaptive.elastic import collectives, env
+from adaptive.parallel import _sharding, _training
+
+__all__ = ["AdaptiveFSDP"]
+
+logger = logging.getLogger(__name__)
+
+
+class _FullyShardedState(states.ShardedState):
+    """Model and optimizer as DCP shards; LR scheduler, grad scaler and gradient statistics as one small part."""
+
+    def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 parts: _training.TrainingParts) -> None:
+        super().__init__(name)
+        self.module = module
+        self.optimizer = optimizer
+        self.parts = parts
+        self._saved_optimizer = False
+
+    def state_dict(self) -> dict:
+        # An optimizer that has not stepped has no state to save; get_state_dict would create it
+        # (with a step of lr 0), which would change what an uninterrupted run does.
+        return {"kind": "fully_sharded", "optimizer_started": bool(self.optimizer.state), **self.parts.state_dict()}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        if not self.optimizer.state:
+            return {"model": get_model_state_dict(self.module)}
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "fully_sharded":
+            raise CheckpointError(f"state {self.name!r} in the checkpoint was saved by AdaptiveDataParallel, not "
+                                  "AdaptiveFSDP; resume it with the wrapper that saved it, or give the sharded "
+                                  "model another name=")
+        self._saved_optimizer = bool(state["optimizer_started"])
+        self.parts.load_state_dict(state)
+
+    def load_sharded_state_dict(self, read: Callable[[dict], dict]) -> None:
+        """Read the shards this replica needs now (DCP reshards to the current mesh) and apply them."""
+        if not self._saved_optimizer:
+            loaded = read({"model": get_model_state_dict(self.module)})
+            set_model_state_dict(self.module, loaded["model"])
+            return
+        model, optimizer = get_state_dict(self.module, self.optimizer)  # targets, sharded as the model is now
+        loaded = read({"model": model, "optimizer": optimizer})
+        set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"])
+
+
+def _check_fsdp_options(options: dict[str, Any]) -> None:
+    if "offload_policy" in options:
+        raise ValueError("offload_policy (CPU offloading) is not supported by AdaptiveFSDP: measuring the "
+                         "gradient noise on host-resident gradients would synchronise per parameter")
+    unknown = sorted(set(options) - set(_sharding.FSDP_OPTIONS))
+    if unknown:
+        raise TypeError(f"AdaptiveFSDP got unexpected keyword argument(s) {', '.join(unknown)}; it passes only "
+                        f"{', '.join(_sharding.FSDP_OPTIONS)} on to fully_shard")
+
+
+class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
+    """FSDP2 sharding plus checkpointing of the whole training state, resharded on every rescale.
+
+    Args:
+        module: the model.  Either plain (it is sharded here, see ``shard``)
+            or one on which ``torch.distributed.fsdp.fully_shard`` was
+            already called (then ``mesh``, ``shard`` and the FSDP options
+            must be left at their defaults).
+        optimizer: its optimizer, built from ``module.parameters()``
+            before or after sharding (before: it must not have stepped;
+            it is pointed at the sharded parameters).
+        lr_scheduler: an LR scheduler stepping that optimizer, if any.
+        scaler: a ``torch.amp.GradScaler``, if float16 AMP is used
+            (bfloat16 needs none).
+        mesh: the device mesh: 1-D (FSDP) or 2-D ``(replicate, shard)``
+            (HSDP); default :func:`~adaptive.parallel.sharding_mesh` ``()``,
+            one dimension over all replicas.
+        shard: which submodules get their own ``fully_shard`` (each is
+            gathered just before its forward and freed after): ``"blocks"``
+            (default: each element of every ``nn.ModuleList``),
+            ``"root"`` (the whole model as one unit), a module class or
+            tuple of classes, or a callable ``(name, module) -> bool``.
+        scaling_rule: how the learning rate follows the batch size, as for
+            :class:`~adaptive.AdaptiveDataParallel`.
+        name: checkpoint name; give distinct names when a job trains
+            several models.
+        gns_interval: measure the gradient noise every this many optimizer
+            steps (>= 1, default 4).
+        **fsdp_options: passed to every ``fully_shard`` call:
+            ``reshard_after_forward``, ``mp_policy`` (a
+            ``MixedPrecisionPolicy``).  CPU offloading is not supported.
+
+    Raises:
+        TypeError, ValueError: an argument it cannot honour (the message
+            names it and what is allowed).
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any = None, scaler: Any = None, *, mesh: DeviceMesh | None = None,
+                 shard: _sharding.ShardPolicy = "blocks", scaling_rule: Any = None, name: str = "model",
+                 gns_interval: int = 4, **fsdp_options: Any) -> None:
+        _check_module(module)
+        _check_fsdp_options(fsdp_options)
+        _training.check_optimizer(optimizer, list(module.parameters()))
+        _training.check_lr_scheduler(lr_scheduler, optimizer)
+        _training.check_scaler(scaler)
+        _training.check_name(name)
+        _training.check_gns_interval(gns_interval)
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got "
+                            f"{type(mesh).__name__}")
+        if mesh is not None and mesh.ndim not in (1, 2):
+            raise ValueError(f"mesh must have 1 dimension (FSDP) or 2 (replicate, shard: HSDP), got {mesh.ndim}")
+        _ensure_process_group(module)
+        super().__init__()
+        self.module = _shard(module, optimizer, mesh, shard, fsdp_options)
+        self.mesh = _sharding.module_mesh(self.module)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.scaler = scaler
+        self._gradient_sync = True
+        self._make_gns_and_rule(optimizer, scaler, scaling_rule, gns_interval)
+        self.gns.attach(self.module, is_last_micro_step=lambda: not _training.is_accumulation_step())
+        parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
+        self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts)
+        # Restore before the step hooks exist: creating a fresh optimizer's state for the load
+        # (get_state_dict) runs one optimizer step with learning rate 0.
+        restored = states.load_state(self._state)
+        self.step_lr = _training.wire_optimizer(optimizer, self.scaling_rule, self.gns)
+        self._register_with_job()
+        if restored and env.rank() == 0:
+            logger.info("restored the sharded model and optimizer%s%s from the checkpoint (%d replicas, mesh %s)",
+                        ", LR scheduler" if lr_scheduler is not None else "",
+                        ", grad scaler" if scaler is not None else "", env.num_replicas(),
+                        tuple(self.mesh.shape))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Reduce-scatter only on the last micro-step of an optimizer step (FSDP2's no_sync).
+        sync = not _training.is_accumulation_step()
+        if sync != self._gradient_sync:
+            self.module.set_requires_gradient_sync(sync)
+            self._gradient_sync = sync
+        return self.module(*inputs, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients, except in the middle of an accumulation."""
+        if not _training.is_continuing_accumulation():
+            self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, (torch.nn.parallel.DistributedDataParallel, AdaptiveFSDP)):
+        raise TypeError(f"module must be the model itself, not a {type(module).__name__}: pass the unwrapped "
+                        "module (AdaptiveFSDP shards it)")
+    if not any(param.requires_grad for param in module.parameters()):
+        raise ValueError("module has no trainable parameters")
+
+
+def _ensure_process_group(module: torch.nn.Module) -> None:
+    if collectives.is_initialized():
+        return
+    if env.num_replicas() > 1:
+        raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveFSDP")
+    collectives.init_process_group("nccl" if next(module.parameters()).is_cuda else "gloo")
+
+
+def _shard(module: torch.nn.Module, optimizer: Any, mesh: DeviceMesh | None, shard: _sharding.ShardPolicy,
+           options: dict[str, Any]) -> torch.nn.Module:
+    """``module`` sharded (or as given, if already sharded), with ``optimizer`` on its sharded parameters."""
+    if _sharding.is_fully_sharded(module):
+        if mesh is not None or shard != "blocks" or options:
+            raise ValueError("module is already fully sharded (fully_shard was called on it): leave mesh, "
+                             "shard and the fully_shard options at their defaults, or pass the unsharded model")
+        return module
+    _sharding.check_rebindable(optimizer)  # before sharding changes the module
+    names = _sharding.parameter_names(module)
+    _sharding.apply_fully_shard(module, mesh if mesh is not None else _sharding.sharding_mesh(), shard, options)
+    _sharding.rebind_optimizer(optimizer, names, module)
+    return module

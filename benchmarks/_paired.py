@@ -1,0 +1,32 @@
+"""The summary of an A/B step-time benchmark run in alternating blocks (bench_overhead, bench_fsdp).
+
+Each launch times blocks of steps of the plain set-up and ours back to back,
+alternating which goes first; the ratio of a pair's medians cancels slow
+drifts of the machine, and the median over all pairs is the result.
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def summarize(runs: list[dict]) -> dict:
+    """``runs``: per launch, ``{"plain": [[step s, ...] per block], "ours": [...]}``.
+
+    Returns every step time per set-up (``times``), their medians
+    (``median_s``), the sorted block-pair ratios, their median (``ratio``)
+    and quartiles, and each launch's ratio of medians.
+    """
+    times = {name: [t for run in runs for block in run[name] for t in block] for name in ("plain", "ours")}
+    block_ratios = sorted(statistics.median(o) / statistics.median(p)
+                          for run in runs for p, o in zip(run["plain"], run["ours"]))
+    launch_ratios = [statistics.median([t for b in run["ours"] for t in b])
+                     / statistics.median([t for b in run["plain"] for t in b]) for run in runs]
+    return {"times": times, "median_s": {name: statistics.median(values) for name, values in times.items()},
+            "block_ratios": block_ratios, "ratio": statistics.median(block_ratios),
+            "quartiles": (block_ratios[len(block_ratios) // 4], block_ratios[(3 * len(block_ratios)) // 4]),
+            "launch_ratios": launch_ratios}
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))]
