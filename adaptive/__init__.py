@@ -55,7 +55,10 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+#: Subpackages reachable as ``adaptive.<name>`` after ``import adaptive`` (imported on first use).
+_SUBPACKAGES = ("batchsize", "checkpoint", "data", "elastic", "observe", "parallel")
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from adaptive.batchsize.rampup import ConstantSchedule, LinearRampup, StagedSchedule

@@ -105,7 +105,21 @@ def test_packages_and_faces_import_without_torch(no_torch_env):
         from scheduler import ClusterSpec, make_policy, run_simulation  # noqa: F401
         assert adaptive.__version__
         assert "run_simulation" in scheduler.__all__
+        # subpackages are attributes of the top-level face, imported on first use
+        assert adaptive.batchsize.GoodputFunction is adaptive.batchsize.goodput.GoodputFunction
+        assert "parallel" in dir(adaptive)
     """))
+
+
+def test_subpackages_are_reachable_from_import_adaptive():
+    import subprocess
+    import sys
+
+    code = ("import sys, adaptive; assert 'adaptive.parallel' not in sys.modules; "
+            "assert adaptive.parallel.sharding_mesh is adaptive.parallel._sharding.sharding_mesh; "
+            "assert adaptive.elastic.env is adaptive.env; print('OK')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 
 
 def test_goodput_model_works_without_torch(no_torch_env):

@@ -15,17 +15,20 @@ from typing import Any, Callable
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, exports: dict[str, str], subpackages: tuple[str, ...] = ()
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for ``package``.
 
     Args:
         package: the package's ``__name__``.
         exports: public name -> the module that defines it; a name that is
             the last part of its module's path exports the module itself.
+        subpackages: subpackages reachable as attributes without importing
+            them first (``import adaptive; adaptive.parallel.sharding_mesh``).
     """
 
     def __getattr__(name: str) -> Any:
-        module_name = exports.get(name)
+        module_name = exports.get(name) or (f"{package}.{name}" if name in subpackages else None)
         if module_name is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         try:
@@ -42,6 +45,6 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(importlib.import_module(package).__dict__) | set(exports))
+        return sorted(set(importlib.import_module(package).__dict__) | set(exports) | set(subpackages))
 
     return __getattr__, __dir__
