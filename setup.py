@@ -24,6 +24,7 @@ setup(
         "report": ["matplotlib>=3.6"],
         "tensorboard": ["tensorboard>=2.12"],
         "examples": ["scikit-learn>=1.2"],
+        "ray": ["ray>=2.40"],
     },
     entry_points={
         "console_scripts": [

@@ -1,6 +1,8 @@
 """Command line: run jobs on this machine, submit them, see their status.
 
     python -m scheduler.executor run    --workdir DIR --slots 4 [--policy goodput] [--interval 60]
+    python -m scheduler.executor run    --workdir DIR --backend ray --ray-address HOST:PORT
+                                        [--ray-resource GPU] [--slots-per-node N]
     python -m scheduler.executor submit --workdir DIR job.yaml [...]
     python -m scheduler.executor status --workdir DIR [--json]
 
@@ -16,8 +18,11 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from scheduler.cluster import ClusterSpec
+from scheduler.executor.backend import Backend
 from scheduler.executor.executor import Executor, JobState
 from scheduler.executor.local import LocalBackend
 from scheduler.executor.spool import Spool
@@ -27,10 +32,32 @@ from scheduler.supervisor.state import SupervisorState
 logger = logging.getLogger("scheduler.executor")
 
 
+def _backend(args: argparse.Namespace, spool: Spool) -> tuple[Backend, ClusterSpec, Callable[[], dict[str, Any]]]:
+    """The backend, the cluster it offers, and the extra status fields it reports."""
+    if args.backend == "local":
+        if args.slots is None:
+            raise ValueError("--slots is required with --backend local")
+        return (LocalBackend(spool.log_dir, cuda=args.cuda), ClusterSpec(1, args.slots),
+                lambda: {"slots": args.slots})
+    from scheduler.executor.ray_import import import_ray
+
+    ray = import_ray()
+    from scheduler.executor.ray_backend import RayBackend
+    from scheduler.executor.ray_pool import RayPool
+
+    ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    pool = RayPool(args.ray_resource, slots_per_node=args.slots_per_node)
+    backend = RayBackend(spool.log_dir, pool)
+    cluster = pool.cluster_spec()
+    logger.info("Ray cluster: %d node(s) x %d %s slot(s)", cluster.num_nodes, cluster.gpus_per_node,
+                args.ray_resource)
+    return backend, cluster, lambda: {"slots": cluster.total_gpus, "backend": "ray", "nodes": backend.describe()}
+
+
 def _run(args: argparse.Namespace) -> int:
     spool = Spool(args.workdir)
-    executor = Executor(LocalBackend(spool.log_dir, cuda=args.cuda), make_policy(args.policy),
-                        ClusterSpec(1, args.slots), state=SupervisorState(spool.state_path),
+    backend, cluster, extra = _backend(args, spool)
+    executor = Executor(backend, make_policy(args.policy), cluster, state=SupervisorState(spool.state_path),
                         interval=args.interval, grace_period=args.grace_period)
     previous = {j["name"]: j["state"] for j in spool.read_status()[0]}
     for spec in spool.accepted_specs():
@@ -44,12 +71,12 @@ def _run(args: argparse.Namespace) -> int:
         for spec in spool.take_new():
             executor.submit(spec)
         executor.step()
-        spool.write_status(finished + executor.status(), slots=args.slots, policy=args.policy)
+        spool.write_status(finished + executor.status(), policy=args.policy, **extra())
         if args.exit_when_done and executor.jobs and executor.done:
             break
         stop.wait(args.poll)
     executor.shutdown(timeout=args.grace_period)
-    spool.write_status(finished + executor.status(), slots=args.slots, policy=args.policy)
+    spool.write_status(finished + executor.status(), policy=args.policy, **extra())
     return 0 if all(j.state is not JobState.FAILED for j in executor.jobs.values()) else 1
 
 
@@ -66,11 +93,16 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"jobs": jobs, **extra}, indent=2))
         return 0
-    print(f"{'job':24} {'state':10} {'replicas':>8} {'target':>6} {'restarts':>8} {'failures':>8} progress")
+    for node in extra.get("nodes", []):
+        print(f"node {node['index']:<3} {'alive' if node['alive'] else 'LOST':5} {node['slots']} slot(s)  "
+              f"{node['address']}  {node['node_id'][:16]}")
+    print(f"{'job':24} {'state':10} {'replicas':>8} {'target':>6} {'restarts':>8} {'failures':>8} progress  "
+          f"placement (node per replica)")
     for job in jobs:
         progress = "-" if job.get("progress") is None else f"{job['progress']:.1f}"
+        placement = ",".join(str(n) for n in job.get("placement", [])) or "-"
         print(f"{job['name']:24} {job['state']:10} {job['replicas']:>8} {job['target_replicas']:>6} "
-              f"{job['restarts']:>8} {job['failures']:>8} {progress}")
+              f"{job['restarts']:>8} {job['failures']:>8} {progress:8}  {placement}")
     return 0
 
 
@@ -79,7 +111,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the executor in the foreground")
     run.add_argument("--workdir", required=True, help="executor working folder")
-    run.add_argument("--slots", type=int, required=True, help="devices (processes) to share")
+    run.add_argument("--slots", type=int, help="devices (processes) to share (local backend)")
+    run.add_argument("--backend", default="local", choices=("local", "ray"),
+                     help="where jobs run: this machine, or a Ray cluster")
+    run.add_argument("--ray-address", default="auto", help="Ray cluster to join (ray backend; default: auto)")
+    run.add_argument("--ray-resource", default="GPU",
+                     help="Ray resource a slot takes one unit of: GPU, CPU or a custom one (ray backend)")
+    run.add_argument("--slots-per-node", type=int, default=None,
+                     help="use at most this many slots per Ray node (ray backend)")
     run.add_argument("--policy", default="goodput", choices=sorted(POLICIES))
     run.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds")
     run.add_argument("--grace-period", type=float, default=120.0, help="seconds to stop before a kill")
@@ -100,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"run": _run, "submit": _submit, "status": _status}[args.command](args)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

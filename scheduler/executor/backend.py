@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from scheduler.executor.jobspec import JobSpec
@@ -54,3 +55,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def kill(self, handle: Any) -> None:
         """Force the incarnation to end (after a graceful stop timed out)."""
+
+    def alive_nodes(self) -> Sequence[int] | None:
+        """Indices of the nodes that can run replicas now, or ``None`` for "all, always".
+
+        A backend whose pool changes (Ray nodes that come and go) reports it
+        here; the executor then kills incarnations that touch a lost node and
+        allocates only alive ones. The local backend keeps the default.
+        """
+        return None

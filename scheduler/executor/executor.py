@@ -13,6 +13,12 @@ Each step it
    ``grace_period``), and relaunched with its new replica count once its
    devices are free. Jobs resume exactly through their checkpoint folder.
 
+Where the backend reports which nodes are alive (``Backend.alive_nodes``),
+each step first compares them with the nodes in use: incarnations touching a
+lost node are killed (their exit counts as a crash, so they are relaunched),
+and the policy sees a cluster of the alive nodes only; its node indices
+``0..n-1`` are mapped onto the alive nodes' indices.
+
 The executor never looks inside the policy, and reaches processes only
 through :class:`~scheduler.executor.backend.Backend`.
 """
@@ -29,7 +35,7 @@ from typing import Any
 
 from adaptive._utils.files import read_json
 from scheduler.allocator import Allocator
-from scheduler.cluster import Allocation, ClusterSpec
+from scheduler.cluster import Allocation, ClusterSpec, make_allocation
 from scheduler.executor.backend import Assignment, Backend
 from scheduler.executor.jobspec import JobSpec
 from scheduler.policies.base import Policy
@@ -78,6 +84,7 @@ class ManagedJob:
                 "target_replicas": len(self.target), "launches": self.launches,
                 "restarts": max(self.launches - 1, 0), "failures": self.failures,
                 "last_exit": self.last_exit, "progress": self.progress,
+                "placement": list(self.assignment.nodes) if self.assignment else [],
                 "submitted_at": self.submitted_at, "finished_at": self.finished_at,
                 "min_replicas": self.spec.min_replicas, "max_replicas": self.spec.max_replicas}
 
@@ -110,6 +117,8 @@ class Executor:
         self.jobs: dict[str, ManagedJob] = {}
         self._next_round = 0.0
         self._dirty = False
+        #: The backend's node index of each of the policy's nodes ``0..n-1``.
+        self._nodes: tuple[int, ...] = tuple(range(cluster.num_nodes))
 
     # --------------------------------------------------------------- public
     def submit(self, spec: JobSpec) -> None:
@@ -127,6 +136,7 @@ class Executor:
     def step(self) -> None:
         """One pass: reap exits, read hints, maybe reschedule, apply."""
         now = self.clock()
+        self._sync_nodes(now)
         self._reap(now)
         self._read_hints()
         if self._dirty or now >= self._next_round:
@@ -159,6 +169,34 @@ class Executor:
             time.sleep(poll)
 
     # ------------------------------------------------------------- internals
+    def _sync_nodes(self, now: float) -> None:
+        """Follow the backend's alive nodes: kill jobs on lost ones, re-map the policy's cluster."""
+        reported = self.backend.alive_nodes()
+        if reported is None:
+            return
+        alive = tuple(sorted(set(int(n) for n in reported)))
+        if alive == self._nodes:
+            return
+        lost = set(self._nodes) - set(alive)
+        if lost:
+            logger.warning("lost node(s) %s; %d node(s) left", sorted(lost), len(alive))
+        for job in self.jobs.values():
+            if job.state in (JobState.RUNNING, JobState.STOPPING) and lost & set(job.assignment.nodes):
+                logger.warning("%s ran on lost node(s) %s; killing the incarnation", job.spec.name,
+                               sorted(lost & set(job.assignment.nodes)))
+                self.backend.kill(job.handle)
+        index = {node: i for i, node in enumerate(alive)}
+        remapped = {}
+        for name, alloc in self.state.allocations().items():
+            real = [self._nodes[i] for i in alloc]
+            if all(node in index for node in real):
+                remapped[name] = make_allocation(index[node] for node in real)
+        self.state.set_allocations(remapped, now)
+        self._nodes = alive
+        if alive:
+            self.allocator.cluster = ClusterSpec(len(alive), self.cluster.gpus_per_node)
+        self._dirty = True
+
     def _reap(self, now: float) -> None:
         for job in self.jobs.values():
             if job.state not in (JobState.RUNNING, JobState.STOPPING):
@@ -212,10 +250,10 @@ class Executor:
                 logger.warning("%s: ignoring hints in %s: %s", job.spec.name, path, exc)
 
     def _schedule(self, now: float) -> None:
-        decided = self.allocator.step(now)
+        decided = self.allocator.step(now) if self._nodes else {}
         for name, job in self.jobs.items():
             if not job.finished:
-                job.target = decided.get(name, ())
+                job.target = tuple(self._nodes[i] for i in decided.get(name, ()))
         self._dirty = False
         self._next_round = now + self.interval
 
@@ -242,7 +280,7 @@ class Executor:
         used = {(n, d) for j in self.jobs.values() if j.assignment is not None
                 for n, d in zip(j.assignment.nodes, j.assignment.devices)}
         return {n: [d for d in range(self.cluster.gpus_per_node) if (n, d) not in used]
-                for n in range(self.cluster.num_nodes)}
+                for n in self._nodes}
 
     @staticmethod
     def _assign(target: Allocation, free: dict[int, list[int]]) -> Assignment | None:
@@ -250,7 +288,7 @@ class Executor:
         need: dict[int, int] = {}
         for node in target:
             need[node] = need.get(node, 0) + 1
-        if any(len(free[n]) < k for n, k in need.items()):
+        if any(len(free.get(n, ())) < k for n, k in need.items()):
             return None
         devices: list[tuple[int, int]] = []
         for node, count in sorted(need.items()):

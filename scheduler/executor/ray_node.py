@@ -1,0 +1,74 @@
+"""The actor that runs one node's share of a job incarnation on a Ray node.
+
+One :class:`NodeLauncher` per node of an assignment, placed in that node's
+placement-group bundle so it holds the node's slots (and, with GPUs, Ray
+tells it which devices they are). It starts
+``python -m scheduler.executor.node_guard --parent <its pid> -- <launcher>``
+as a new session, so that the guard, the elastic launcher and the training
+workers form one process group that it signals as a whole, and that dies
+with the actor (see :mod:`scheduler.executor.node_guard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from scheduler.executor.ray_import import import_ray
+
+logger = logging.getLogger(__name__)
+
+ray = import_ray()
+
+
+class NodeLauncher:
+    """Runs and signals one node's launcher process group (the body of a Ray actor)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP address and a port that is free on it now (for the rendezvous)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+            return ip, int(sock.getsockname()[1])
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray assigned to this actor (its bundle), as ``CUDA_VISIBLE_DEVICES`` entries."""
+        return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def start(self, command: list[str], env: dict[str, str], log_path: str) -> int:
+        """Start ``command`` under the guard with ``env`` added, output appended to ``log_path``; its pid."""
+        if self._process is not None:
+            raise RuntimeError("this NodeLauncher already started its command")
+        full_env = dict(os.environ)
+        full_env.update(env)
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        guard = [sys.executable, "-m", "scheduler.executor.node_guard", "--parent", str(os.getpid()), "--"]
+        with open(log_path, "ab") as log:
+            self._process = subprocess.Popen([*guard, *command], stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        logger.info("started %s (pid %d, log %s)", command[:6], self._process.pid, log_path)
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        """The guard's exit status (the launcher's), or ``None`` while it runs."""
+        if self._process is None:
+            return None
+        code = self._process.poll()
+        return 128 - code if code is not None and code < 0 else code
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the whole process group (guard, launcher, workers)."""
+        if self._process is None:
+            return
+        try:
+            os.killpg(self._process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        logger.info("sent %s to process group %d", signal.Signals(signum).name, self._process.pid)
