@@ -139,7 +139,7 @@ def scenarios(draw):
     return cluster, jobs, dropped
 
 
-@pytest.mark.parametrize("name", ["goodput", "tiresias"])
+@pytest.mark.parametrize("name", ["goodput", "pollux", "tiresias"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_policy_invariants_hold_over_two_rounds(name, scenario):

@@ -7,7 +7,7 @@ from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
 from adaptive.batchsize.hints import Hints
 from scheduler.cluster import ClusterSpec
 from scheduler.job_info import batch_replica_limit, job_info_from_hints
-from scheduler.policies import GoodputPolicy
+from scheduler.policies import PolluxPolicy
 from scheduler.profiles import load_profiles
 from scheduler.sim.job import SimulatedJob, ThroughputModels
 from scheduler.sim.simulator import Simulator
@@ -104,16 +104,16 @@ def test_job_info_from_hints_carries_limits_and_profile():
 def test_goodput_policy_explores_a_bounded_factor_beyond_the_profile():
     cluster = ClusterSpec(4, 4)
     fresh = job_info_from_hints("a", None, submission_time=-1e4)
-    assert GoodputPolicy().optimize({"a": fresh}, cluster, {}, now=0.0) == {"a": (0,)}
+    assert PolluxPolicy().optimize({"a": fresh}, cluster, {}, now=0.0) == {"a": (0,)}
     profiled = job_info_from_hints("a", make_hints(), submission_time=-1e4)
-    assert len(GoodputPolicy(exploration_factor=2).optimize({"a": profiled}, cluster, {}, now=0.0)["a"]) <= 6
-    assert 6 < len(GoodputPolicy().optimize({"a": profiled}, cluster, {}, now=0.0)["a"]) <= 12
+    assert len(PolluxPolicy(exploration_factor=2).optimize({"a": profiled}, cluster, {}, now=0.0)["a"]) <= 6
+    assert 6 < len(PolluxPolicy().optimize({"a": profiled}, cluster, {}, now=0.0)["a"]) <= 12
 
 
 def test_adaptive_simulated_job_learns_and_grows_its_batch():
     profiles = load_profiles()
     job = WorkloadJob("cifar10-0", 0.0, "cifar10", 1, 128)
-    sim = Simulator([job], profiles, GoodputPolicy(), ClusterSpec(2, 4), record_timeline=True)
+    sim = Simulator([job], profiles, PolluxPolicy(), ClusterSpec(2, 4), record_timeline=True)
     result = sim.run()
     ran = sim.jobs[0]
     assert ran.done and result.jct["cifar10-0"] > 0

@@ -1,4 +1,5 @@
-"""Allocation policies and their registry: ``goodput`` (ours) and the ``tiresias`` baseline.
+"""Allocation policies and their registry: ``goodput`` (ours), ``pollux`` (the
+Pollux reproduction it improves on) and the ``tiresias`` baseline.
 
 :data:`POLICIES` maps each registered name to its class and
 :func:`make_policy` builds one by name.  (The Optimus numbers quoted by
@@ -12,10 +13,12 @@ from typing import Any
 
 from scheduler.policies.base import Policy
 from scheduler.policies.goodput import GoodputPolicy
+from scheduler.policies.pollux import PolluxPolicy
 from scheduler.policies.tiresias import TiresiasPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     GoodputPolicy.name: GoodputPolicy,
+    PolluxPolicy.name: PolluxPolicy,
     TiresiasPolicy.name: TiresiasPolicy,
 }
 
@@ -29,4 +32,4 @@ def make_policy(name: str, **options: Any) -> Policy:
     return cls(**options)
 
 
-__all__ = ["POLICIES", "GoodputPolicy", "Policy", "TiresiasPolicy", "make_policy"]
+__all__ = ["POLICIES", "GoodputPolicy", "Policy", "PolluxPolicy", "TiresiasPolicy", "make_policy"]
