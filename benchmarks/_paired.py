@@ -6,7 +6,27 @@ drifts of the machine, and the median over all pairs is the result.
 """
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import portpicker
+import torch.multiprocessing as mp
+
+
+def run_launches(worker: Callable[..., None], args: Any) -> list[dict]:
+    """``args.launches`` separate 2-process runs of ``worker(rank, port, args, out)``, built in alternating
+    order (``args.ours_first``: memory placement can favour whichever set-up is built first); each
+    worker's rank 0 writes ``times.json`` into ``out``."""
+    runs = []
+    for launch in range(args.launches):
+        args.ours_first = launch % 2 == 1
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(worker, args=(portpicker.pick_unused_port(), args, out), nprocs=2, join=True)
+            runs.append(json.loads(Path(out, "times.json").read_text()))
+    return runs
 
 
 def summarize(runs: list[dict]) -> dict:

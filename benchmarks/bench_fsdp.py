@@ -19,14 +19,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import portpicker
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -110,12 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.blocks, args.steps, args.launches = 2, 2, 3, 1
-    runs = []
-    for launch in range(args.launches):
-        args.ours_first = launch % 2 == 1
-        with tempfile.TemporaryDirectory() as out:
-            mp.spawn(_worker, args=(portpicker.pick_unused_port(), args, out), nprocs=2, join=True)
-            runs.append(json.loads(Path(out, "times.json").read_text()))
+    runs = _paired.run_launches(_worker, args)
     params = _transformer.parameter_count(_transformer.Transformer(layers=args.layers))
     summary = _paired.summarize(runs)
     times, medians, block_ratios = summary["times"], summary["median_s"], summary["block_ratios"]
