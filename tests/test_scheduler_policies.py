@@ -114,6 +114,22 @@ def test_goodput_keeps_pinned_jobs_and_respects_min_replicas():
     check_allocations(alloc, cluster, jobs, {"pin": (1, 1, 1)})
 
 
+@pytest.mark.parametrize("name", ["goodput", "pollux"])
+def test_a_pinned_multinode_job_keeps_its_nodes_from_other_multinode_jobs(name):
+    """Found by the invariant test below: a non-preemptible job spanning nodes 0-1 must not share node 1
+    with a new multi-node job."""
+    cluster = ClusterSpec(4, 2)
+    jobs = {"pin": info("pin", exponent=0.9, min_replicas=2, max_replicas=3, preemptible=False),
+            "gang": info("gang", exponent=0.9, min_replicas=3, max_replicas=3)}
+    for n in ("a", "b"):
+        jobs[n] = info(n, exponent=None, max_replicas=1)
+    current = {"pin": (0, 0, 1)}
+    alloc = make_policy(name).optimize(jobs, cluster, current, now=100)
+    assert alloc["pin"] == (0, 0, 1)
+    check_allocations(alloc, cluster, jobs, current)
+    assert 1 not in alloc.get("gang", ())
+
+
 def test_goodput_never_puts_two_multinode_jobs_on_one_node():
     cluster = ClusterSpec(3, 4)
     jobs = {n: info(n, exponent=0.99, min_replicas=5, max_replicas=6, submitted=-1e5) for n in "ab"}

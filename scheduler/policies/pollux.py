@@ -104,7 +104,7 @@ class PolluxPolicy(Policy):
         caps = np.array([min(self._replica_cap(jobs[n]), capacity) for n in names])
         for _ in range(len(names) + 1):
             counts = self._counts(utility, caps, capacity)
-            placed, shortfall = _place(names, counts, current, free, cluster.gpus_per_node)
+            placed, shortfall = _place(names, counts, current, free, cluster.gpus_per_node, pinned)
             if not shortfall:
                 break
             for i, fits in shortfall.items():
@@ -235,14 +235,17 @@ def _local_search(utility: np.ndarray, counts: np.ndarray, caps: np.ndarray, cap
 
 
 def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Allocation],
-           free: Sequence[int], gpus_per_node: int) -> tuple[dict[str, Allocation], dict[int, int]]:
-    """Assign nodes for the chosen counts.
+           free: Sequence[int], gpus_per_node: int,
+           pinned: Mapping[str, Allocation]) -> tuple[dict[str, Allocation], dict[int, int]]:
+    """Assign nodes for the chosen counts (``free`` excludes the ``pinned`` jobs' GPUs).
 
     Returns the allocations and, for jobs that did not fit, the most
-    replicas they could have had (their new cap).
+    replicas they could have had (their new cap).  The nodes of pinned
+    multi-node jobs are closed to other multi-node jobs, as are those of
+    every multi-node job placed here.
     """
     free = list(free)
-    multi_nodes = set()
+    multi_nodes = {node for alloc in pinned.values() if num_nodes_of(alloc) > 1 for node in alloc}
     placed: dict[str, Allocation] = {}
     for name, count in zip(names, counts):
         held = current.get(name, ())
