@@ -212,7 +212,8 @@ def test_executor_places_rescales_and_survives_a_lost_node(cluster, tmp_path):
     gate = tmp_path / "long-may-continue"
     short = job_spec(tmp_path, "short", epochs=2, sleep=0.05, WORKER_GATE=str(tmp_path / "long" / "epochs.jsonl"))
     long = job_spec(tmp_path, "long", epochs=8, sleep=0.1, WORKER_GATE=str(gate), WORKER_GATE_EPOCH="1",
-                    WORKER_SAMPLES="480")  # 20 steps per epoch: time to remove a node while it trains
+                    WORKER_SAMPLES="480",  # 20 steps per epoch: time to remove a node while it trains
+                    ADAPTIVE_CHECKPOINT_KEEP="1000")  # keep every checkpoint: which was newest when a process started
     ex = Executor(backend, policy, pool.cluster_spec(), interval=600, grace_period=60)
     ex.submit(short)
     ex.submit(long)
