@@ -7,6 +7,7 @@ drifts of the machine, and the median over all pairs is the result.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -14,6 +15,20 @@ from typing import Any, Callable
 
 import portpicker
 import torch.multiprocessing as mp
+
+
+def join_worker_job(rank: int, port: int, out: str) -> None:
+    """Make this spawned process rank ``rank`` of a 2-process gloo job on 127.0.0.1 (one thread, no
+    periodic checkpoints or metrics, checkpoints under ``out``) and initialise the process group."""
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ADAPTIVE_CHECKPOINT_INTERVAL="0",
+                      ADAPTIVE_METRICS_INTERVAL="0", ADAPTIVE_CHECKPOINT_PATH=os.path.join(out, "ckpt"))
+    torch.set_num_threads(1)
+    import adaptive
+
+    adaptive.init_process_group("gloo")
 
 
 def run_launches(worker: Callable[..., None], args: Any) -> list[dict]:

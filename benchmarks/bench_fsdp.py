@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -70,13 +69,7 @@ def _build_ours(args):
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ADAPTIVE_CHECKPOINT_INTERVAL="0",
-                      ADAPTIVE_METRICS_INTERVAL="0", ADAPTIVE_CHECKPOINT_PATH=os.path.join(out, "ckpt"))
-    torch.set_num_threads(1)
-    import adaptive
-
-    adaptive.init_process_group("gloo")
+    _paired.join_worker_job(rank, port, out)
     builders = {"plain": _build_plain, "ours": _build_ours}
     order = ["ours", "plain"] if args.ours_first else ["plain", "ours"]
     built = {name: builders[name](args) for name in order}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -57,13 +56,8 @@ def _timed_steps(model, optimizer, batches, steps: int) -> list[float]:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ADAPTIVE_CHECKPOINT_INTERVAL="0",
-                      ADAPTIVE_METRICS_INTERVAL="0", ADAPTIVE_CHECKPOINT_PATH=os.path.join(out, "ckpt"))
-    torch.set_num_threads(1)
+    _paired.join_worker_job(rank, port, out)
     import adaptive
-
-    adaptive.init_process_group("gloo")
     data = torch.utils.data.TensorDataset(torch.randn(8192, 1024), torch.randint(0, 10, (8192,)))
     builders = [_build_plain, _build_ours]
     if args.ours_first:  # memory placement can favour whichever is built first; launches alternate
