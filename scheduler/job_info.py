@@ -36,6 +36,10 @@ class JobInfo:
         profiled_replicas: largest replica count its throughput model has
             seen (0: none yet); goodput-driven policies explore from there.
             ``None`` when not applicable (fixed-size jobs).
+        remaining_work: estimated seconds one device would need to finish
+            the job at its best batch size (see :func:`estimate_remaining_work`);
+            ``None`` when unknown (no declared epoch count, too little done
+            yet, or no goodput model).
     """
 
     name: str
@@ -47,6 +51,7 @@ class JobInfo:
     num_restarts: int = 0
     speedup_fn: SpeedupFunction | None = None
     profiled_replicas: int | None = None
+    remaining_work: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0:
@@ -54,6 +59,9 @@ class JobInfo:
         if self.max_replicas < max(self.min_replicas, 1):
             raise ValueError(f"job {self.name!r}: max_replicas must be >= max(min_replicas, 1), "
                              f"got min={self.min_replicas}, max={self.max_replicas}")
+        if self.remaining_work is not None and not self.remaining_work >= 0:
+            raise ValueError(f"job {self.name!r}: remaining_work must be >= 0 seconds or None, "
+                             f"got {self.remaining_work}")
 
     def is_pinned(self, current: Allocation) -> bool:
         """A non-preemptible job that already runs keeps its allocation."""
@@ -71,14 +79,39 @@ def batch_replica_limit(max_replicas: int, max_batch_size: int | None = None,
     return limit
 
 
+def estimate_remaining_work(speedup_fn: SpeedupFunction | None, progress: float,
+                            completed_fraction: float | None) -> float | None:
+    """Seconds one device would need to finish a job, or ``None`` if unknown.
+
+    A job that declares its epoch count reports the fraction ``f`` of it that
+    is done and its scale-invariant ``progress`` (reference-batch steps
+    gained so far). The rest is extrapolated at the same progress per epoch,
+    ``progress * (1 - f) / f`` reference steps, and turned into time at the
+    job's goodput on one device (``init_batch_size`` samples per reference
+    step). Dividing by the speedup of an allocation gives the time left
+    there, which is what the policy weighs and what a restart is charged
+    against. ``None`` before the job has a goodput model or any progress,
+    and when it declared no epoch count.
+    """
+    if speedup_fn is None or completed_fraction is None or progress <= 0:
+        return None
+    if not 0 < completed_fraction <= 1:
+        return None
+    steps_left = progress * (1.0 - completed_fraction) / completed_fraction
+    return float(steps_left * speedup_fn.init_batch_size / speedup_fn.base_goodput)
+
+
 def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
                         max_batch_size: int | None, local_bsz_bounds: Sequence[int | None] | None,
                         gradient_accumulation: bool, max_profiled_replicas: int,
                         min_replicas: int = 0, max_replicas: int = 64, preemptible: bool = True,
                         attained_service: float = 0.0, num_restarts: int = 0,
-                        speedup_cache: SpeedupCache | None = None) -> JobInfo:
+                        speedup_cache: SpeedupCache | None = None, progress: float = 0.0,
+                        completed_fraction: float | None = None) -> JobInfo:
     """A :class:`JobInfo` for a job whose goodput model is ``goodput_fn``
-    (``None``: no throughput model yet, so speedup is assumed linear)."""
+    (``None``: no throughput model yet, so speedup is assumed linear);
+    ``progress`` and ``completed_fraction`` (as in the hints) give its
+    remaining work."""
     limit = batch_replica_limit(max_replicas, max_batch_size, local_bsz_bounds)
     speedup_fn = None
     if goodput_fn is not None:
@@ -95,7 +128,8 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
     return JobInfo(name=name, submission_time=submission_time, min_replicas=min_replicas,
                    max_replicas=max(limit, min_replicas, 1), preemptible=preemptible,
                    attained_service=attained_service, num_restarts=num_restarts, speedup_fn=speedup_fn,
-                   profiled_replicas=int(max_profiled_replicas))
+                   profiled_replicas=int(max_profiled_replicas),
+                   remaining_work=estimate_remaining_work(speedup_fn, progress, completed_fraction))
 
 
 def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
@@ -111,4 +145,5 @@ def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_re
     return job_info_from_model(
         name, hints.goodput_function(), max_batch_size=hints.max_batch_size,
         local_bsz_bounds=hints.local_bsz_bounds, gradient_accumulation=hints.gradient_accumulation,
-        max_profiled_replicas=hints.max_profiled_replicas, speedup_cache=speedup_cache, **common)
+        max_profiled_replicas=hints.max_profiled_replicas, speedup_cache=speedup_cache,
+        progress=hints.progress, completed_fraction=hints.completed_fraction, **common)

@@ -87,6 +87,17 @@ class SpeedupFunction:
         logger.debug("one device cannot run the job; speedups are relative to %d replicas", reps[first])
         return float(goodput[first] / reps[first])
 
+    @property
+    def base_goodput(self) -> float:
+        """Goodput on one device (samples per second, weighted by statistical
+        efficiency), the unit of every speedup."""
+        return self._base
+
+    @property
+    def init_batch_size(self) -> int:
+        """The job's initial (reference) global batch size."""
+        return self._init
+
     def _search(self, nodes: np.ndarray, reps: np.ndarray) -> np.ndarray:
         """Best goodput on a grid of global batch sizes, for each placement."""
         beyond = reps > self._profiled if self._profiled is not None else np.zeros(len(reps), dtype=bool)

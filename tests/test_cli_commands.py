@@ -78,12 +78,13 @@ def wait_for_line(proc: subprocess.Popen, log: Path, start: str, timeout: float)
 def hints(job_id: str) -> dict:
     """Hints as a job posts them (adaptive.batchsize.hints format): profiled on 2 replicas."""
     return {
-        "version": 1, "job_id": job_id, "timestamp": 1.0, "init_batch_size": 128, "max_batch_size": 4096,
+        "version": 2, "job_id": job_id, "timestamp": 1.0, "init_batch_size": 128, "max_batch_size": 4096,
         "local_bsz_bounds": [32, 1024], "gradient_accumulation": True,
         "perf_params": {"alpha_c": 0.02, "beta_c": 0.0006, "alpha_n": 0.1, "beta_n": 0.002,
                         "alpha_r": 0.01, "beta_r": 0.001, "gamma": 1.2},
         "grad_params": {"sqr": 1.0, "var": 20.0}, "max_profiled_replicas": 2, "max_profiled_nodes": 1,
         "progress": 10.0, "current": {"num_nodes": 1, "num_replicas": 2, "local_bsz": 64, "accum_steps": 1},
+        "completed_fraction": None,
     }
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from adaptive._utils.files import read_json, write_json_atomic
 from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.batchsize.hints import HINTS_FILENAME, CurrentConfig, Hints, post_hints, read_hints, write_hints
+from adaptive.batchsize.hints import (HINTS_FILENAME, HINTS_VERSION, CurrentConfig, Hints, post_hints, read_hints,
+                                      write_hints)
 from adaptive.checkpoint.versions import StateFormatError
 
 PERF = {"alpha_c": 0.02, "beta_c": 0.001, "alpha_n": 0.08, "beta_n": 0.01, "alpha_r": 0.03, "beta_r": 0.004,
@@ -20,12 +21,20 @@ PERF = {"alpha_c": 0.02, "beta_c": 0.001, "alpha_n": 0.08, "beta_n": 0.01, "alph
 
 def _valid() -> dict:
     return {
-        "version": 1, "job_id": "job-1", "timestamp": 1767225600.5, "init_batch_size": 128,
+        "version": 2, "job_id": "job-1", "timestamp": 1767225600.5, "init_batch_size": 128,
         "max_batch_size": 4096, "local_bsz_bounds": [16, 512], "gradient_accumulation": True,
         "perf_params": dict(PERF), "grad_params": {"sqr": 0.5, "var": 12.0},
         "max_profiled_replicas": 4, "max_profiled_nodes": 1, "progress": 321.5,
         "current": {"num_nodes": 1, "num_replicas": 4, "local_bsz": 64, "accum_steps": 2},
+        "completed_fraction": 0.25,
     }
+
+
+def _valid_v1() -> dict:
+    """The same document as a job of the previous release wrote it (format 1: no completed_fraction)."""
+    data = dict(_valid(), version=1)
+    del data["completed_fraction"]
+    return data
 
 
 def test_round_trip_and_types():
@@ -35,6 +44,7 @@ def test_round_trip_and_types():
     assert list(json.loads(hints.to_json())) == list(_valid())  # field order as in the contract
     assert hints.perf_params == PerfParams.from_state_dict(PERF)
     assert hints.local_bsz_bounds == (16, 512)
+    assert hints.completed_fraction == 0.25 and HINTS_VERSION == 2
     assert hints.current.num_replicas == 4 and hints.current["accum_steps"] == 2
     assert dict(hints.current) == _valid()["current"]
     fn = hints.goodput_function()
@@ -44,7 +54,7 @@ def test_round_trip_and_types():
 
 def test_nullable_fields():
     data = dict(_valid(), max_batch_size=None, local_bsz_bounds=None, perf_params=None, grad_params=None,
-                current=None, max_profiled_replicas=0, max_profiled_nodes=0)
+                current=None, max_profiled_replicas=0, max_profiled_nodes=0, completed_fraction=None)
     hints = Hints.from_state_dict(data)
     assert hints.state_dict() == data
     assert hints.goodput_function() is None
@@ -52,12 +62,14 @@ def test_nullable_fields():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("version", 2), ("job_id", ""), ("job_id", 7), ("timestamp", -1.0), ("timestamp", float("nan")),
+    ("version", 3), ("job_id", ""), ("job_id", 7), ("timestamp", -1.0), ("timestamp", float("nan")),
     ("init_batch_size", 0), ("init_batch_size", True), ("init_batch_size", 12.5),
     ("max_batch_size", 64),  # below init_batch_size
     ("local_bsz_bounds", [16]), ("local_bsz_bounds", [32, 16]), ("local_bsz_bounds", [0, 16]),
     ("gradient_accumulation", 1), ("max_profiled_replicas", -1), ("max_profiled_nodes", 5),
     ("progress", -0.5), ("progress", "12"),
+    ("completed_fraction", -0.1), ("completed_fraction", 1.5), ("completed_fraction", "0.5"),
+    ("completed_fraction", float("nan")), ("completed_fraction", True),
 ])
 def test_bad_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
@@ -84,6 +96,10 @@ def test_unknown_and_missing_keys():
     data = _valid()
     del data["progress"]
     with pytest.raises(ValueError, match="missing fields.*progress"):
+        Hints.from_state_dict(data)
+    data = _valid()
+    del data["completed_fraction"]  # format 2 has it (null when unknown)
+    with pytest.raises(ValueError, match="missing fields.*completed_fraction"):
         Hints.from_state_dict(data)
     with pytest.raises(ValueError, match="JSON object"):
         Hints.from_state_dict([1, 2])
@@ -170,8 +186,8 @@ def test_document_format_versions():
     assert hints.perf_params.state_dict() == {"version": 1, **PERF}
     assert hints.current.state_dict() == {"version": 1, **_valid()["current"]}
     assert hints.state_dict()["perf_params"] == PERF and hints.state_dict()["current"] == _valid()["current"]
-    with pytest.raises(StateFormatError, match="version 2"):
-        Hints.from_state_dict(dict(_valid(), version=2))
+    with pytest.raises(StateFormatError, match="version 3"):
+        Hints.from_state_dict(dict(_valid(), version=3))
     with pytest.raises(StateFormatError, match="version"):
         Hints.from_state_dict(dict(_valid(), version="1"))
     with pytest.raises(ValueError, match="init_batch_size"):
@@ -179,3 +195,41 @@ def test_document_format_versions():
     with pytest.raises(TypeError, match="init_batch_size"):
         Hints(**dict(Hints.from_state_dict(_valid()).__dict__, init_batch_size="128"))
     assert CurrentConfig.from_state_dict(CurrentConfig(1, 2, 8, 1).state_dict()) == CurrentConfig(1, 2, 8, 1)
+
+
+def test_completed_fraction_round_trips_with_and_without_a_value(tmp_path):
+    for value in (0.0, 0.25, 1.0, None):
+        hints = Hints.from_state_dict(dict(_valid(), completed_fraction=value))
+        assert hints.completed_fraction == value
+        assert hints.state_dict()["completed_fraction"] == value
+        assert Hints.from_json(hints.to_json()) == hints
+        assert read_hints(write_hints(hints, tmp_path)) == hints
+    assert json.loads(Hints.from_state_dict(dict(_valid(), completed_fraction=None)).to_json())[
+        "completed_fraction"] is None  # written as null, not left out
+    assert isinstance(Hints.from_state_dict(dict(_valid(), completed_fraction=1)).completed_fraction, float)
+
+
+def test_a_version_1_document_still_loads_without_completed_fraction(tmp_path):
+    """Hints written by the previous release (format 1) are migrated explicitly: completed_fraction is None."""
+    hints = Hints.from_state_dict(_valid_v1())
+    assert hints.completed_fraction is None and hints.version == HINTS_VERSION
+    assert hints.state_dict() == dict(_valid(), completed_fraction=None)  # rewritten as format 2
+    assert hints == Hints.from_state_dict(dict(_valid(), completed_fraction=None))
+    path = tmp_path / HINTS_FILENAME
+    path.write_text(json.dumps(_valid_v1()), encoding="utf-8")  # a hints.json of the previous release
+    assert read_hints(tmp_path).completed_fraction is None
+    with pytest.raises(StateFormatError, match="completed_fraction.*not part of hints format version 1"):
+        Hints.from_state_dict(dict(_valid_v1(), completed_fraction=0.5))
+    with pytest.raises(ValueError, match="missing fields.*progress"):  # the v1 layout is still checked
+        Hints.from_state_dict({k: v for k, v in _valid_v1().items() if k != "progress"})
+
+
+def test_completed_fraction_is_validated_in_direct_construction():
+    fields = dict(Hints.from_state_dict(_valid()).__dict__)
+    del fields["completed_fraction"]
+    assert Hints(**fields).completed_fraction is None  # the default: constructors without it keep working
+    for bad in (-0.1, 1.5, float("inf")):
+        with pytest.raises(ValueError, match="completed_fraction"):
+            Hints(**fields, completed_fraction=bad)
+    with pytest.raises(TypeError, match="completed_fraction"):
+        Hints(**fields, completed_fraction="0.5")

@@ -133,3 +133,17 @@ def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monke
     assert len(evaluations) == 2
     controller.decide(grad, force=True)  # a new replica count is never put off
     assert len(evaluations) == 3
+
+
+def test_controller_hints_carry_the_completed_fraction(job, monkeypatch, tmp_path):
+    """The fraction the loader passes in reaches the hints file; without one it is null."""
+    from adaptive.batchsize.hints import read_hints
+    from adaptive.elastic import env
+
+    monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))
+    controller = _controller(job, accumulation=False)
+    grad = GradParams(sqr=1.0, var=200.0)
+    assert controller.hints(grad, 1.0).completed_fraction is None
+    assert controller.hints(grad, 1.0, completed_fraction=0.4).completed_fraction == 0.4
+    controller.report_hints(grad, progress=1.0, completed_fraction=0.4)
+    assert read_hints(tmp_path).completed_fraction == 0.4

@@ -169,6 +169,7 @@ def test_gradient_statistics_read_out_replaces_adaptdls_metrics_state(job):
     # get_goodput_fn() and the perf params: the hints file rank 0 writes while autoscaling
     written = hints.read_hints(env.checkpoint_path())
     assert written.grad_params is not None and written.init_batch_size == 16
+    assert written.completed_fraction is not None and 0 <= written.completed_fraction <= 1  # of the 2 epochs
     function = written.goodput_function()
     assert function is None or function.evaluate(1, 1, 16, 1) > 0
 

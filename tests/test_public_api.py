@@ -120,6 +120,76 @@ def test_a_finished_job_is_not_retrained_after_a_restart(job):
     assert latest is not None and latest.info.metadata.get("reason") == "finished", latest.info.metadata
 
 
+def test_completed_fraction_counts_the_declared_epochs_across_a_restart(job):
+    """The part of the declared training done: (finished epochs + position in the epoch) / N, inside the loop."""
+    from adaptive.elastic.epoch import completed_fraction
+
+    assert completed_fraction(0.5) is None  # no loop: no declared epoch count
+    seen = []
+    with pytest.raises(SystemExit):
+        for epoch in adaptive.remaining_epochs_until(4):
+            seen.append((completed_fraction(0.0), completed_fraction(0.5), completed_fraction(1.0)))
+            if epoch == 1:
+                adaptive.request_stop()  # acted on at the end of epoch 1
+    assert seen == [(0.0, 0.125, 0.25), (0.25, 0.375, 0.5)]
+    assert completed_fraction(0.5) is None  # the loop was left
+
+    restart_process_state()  # a new process: the finished epochs come from the checkpoint
+    assert completed_fraction(0.0) is None
+    for epoch in adaptive.remaining_epochs_until(4):
+        seen.append(completed_fraction(0.5))
+        if epoch == 3:
+            assert completed_fraction(1.0) == 1.0
+            adaptive.finish_training()
+            assert completed_fraction(0.0) == 1.0  # ended: nothing left to train
+    assert seen[2:] == [0.625, 0.875]
+    assert completed_fraction(1.0) is None
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="within_epoch"):
+            completed_fraction(bad)
+
+
+def test_completed_fraction_is_none_for_a_loop_that_declares_no_epochs(job):
+    from adaptive.elastic.epoch import completed_fraction
+    from adaptive.elastic.job import current_job
+
+    assert list(adaptive.remaining_epochs_until(0)) == []
+    progress = current_job().epochs
+    assert progress.total is None and not progress.looping  # forgotten when the loop ends
+    progress.looping, progress.total = True, 0  # as inside remaining_epochs_until(0), which yields nothing
+    try:
+        assert completed_fraction(0.5) is None  # 0 epochs declared: no fraction
+    finally:
+        progress.looping, progress.total = False, None
+
+
+def test_the_autoscaled_loader_reports_the_completed_fraction_in_its_hints(job, monkeypatch):
+    """Each report carries (finished epochs + the loader's share of the epoch's samples) / N."""
+    from adaptive.batchsize.autoscale import BatchSizeController
+
+    reported = []
+
+    def record(controller, grad_params, progress, completed_fraction=None):
+        reported.append((adaptive.current_epoch(), completed_fraction))
+
+    monkeypatch.setattr(BatchSizeController, "report_hints", record)
+    net = torch.nn.Linear(1, 1)
+    adaptive.AdaptiveDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = adaptive.AdaptiveDataLoader(Indices(12), batch_size=4, name="train")
+    loader.autoscale_batch_size(8, local_bsz_bounds=(4, 8), adapt_every=1)
+    for _ in adaptive.remaining_epochs_until(2):
+        for _ in loader:
+            pass
+    # a report at every step boundary after the first (no gradient statistics: the batch stays at 4),
+    # the last one after the epoch's last step, with all 12 samples of the epoch taken
+    assert [epoch for epoch, _ in reported] == [0, 0, 0, 1, 1, 1]
+    assert [fraction for _, fraction in reported] == pytest.approx([k / 6 for k in range(1, 7)])
+    reported.clear()
+    for _ in loader:  # outside the epoch loop: no declared epoch count
+        pass
+    assert reported and all(fraction is None for _, fraction in reported), reported
+
+
 # ------------------------------------------------------------ custom states
 
 class StepCounter(adaptive.State):

@@ -16,18 +16,7 @@ from scheduler.sim.simulator import Simulator
 from scheduler.sim.workload import WorkloadJob, load_workload
 from scheduler.speedup import SpeedupFunction
 
-
-class PowerLawGoodput:
-    """goodput = replicas ** exponent at any batch size, 20% lower across nodes."""
-
-    init_batch_size = 32
-
-    def __init__(self, exponent):
-        self.exponent = exponent
-
-    def evaluate(self, num_nodes, num_replicas, local_bsz, accum_steps):
-        nodes, reps, _, _ = np.broadcast_arrays(num_nodes, num_replicas, local_bsz, accum_steps)
-        return np.power(reps, self.exponent) * np.where(nodes > 1, 0.8, 1.0)
+from policy_cases import PowerLawGoodput
 
 
 def info(name, exponent=0.9, submitted=0.0, **kw):
@@ -80,8 +69,8 @@ def test_payback_keeps_a_young_job_where_pollux_moves_it():
     job = info("a", submitted=0.0)
     pollux, goodput = PolluxPolicy(), GoodputPolicy(payback=2)
     # 75 s old, no restarts yet: Pollux charges one 30 s restart, payback=2 charges two.
-    assert pollux._restart_factor(job, 75.0) == pytest.approx(45 / 75)
-    assert goodput._restart_factor(job, 75.0) == pytest.approx(15 / 75)
+    assert pollux._restart_factor(job, 75.0, 2.0) == pytest.approx(45 / 75)
+    assert goodput._restart_factor(job, 75.0, 2.0) == pytest.approx(15 / 75)
     # Growing from 2 to 8 GPUs pays back one restart (6.5 x 0.6 > 1.9) but not two (6.5 x 0.2).
     cluster, current = ClusterSpec(1, 8), {"a": (0, 0)}
     assert len(pollux.optimize({"a": job}, cluster, current, now=75.0)["a"]) == 8

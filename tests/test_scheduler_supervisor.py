@@ -20,12 +20,13 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 
 def hints(job_id="job-a", **changes):
     data = {
-        "version": 1, "job_id": job_id, "timestamp": 1.0, "init_batch_size": 128, "max_batch_size": 4096,
+        "version": 2, "job_id": job_id, "timestamp": 1.0, "init_batch_size": 128, "max_batch_size": 4096,
         "local_bsz_bounds": [32, 1024], "gradient_accumulation": True,
         "perf_params": {"alpha_c": 0.02, "beta_c": 0.0006, "alpha_n": 0.1, "beta_n": 0.002,
                         "alpha_r": 0.01, "beta_r": 0.001, "gamma": 1.2},
         "grad_params": {"sqr": 1.0, "var": 20.0}, "max_profiled_replicas": 2, "max_profiled_nodes": 1,
         "progress": 10.0, "current": {"num_nodes": 1, "num_replicas": 2, "local_bsz": 64, "accum_steps": 1},
+        "completed_fraction": None,
     }
     data.update(changes)
     return data
@@ -87,6 +88,29 @@ def test_hints_round_trip_and_allocation(served):
     assert client.jobs()["job-a"]["allocation"] == list(allocation)
 
 
+def test_posted_completed_fraction_gives_the_policy_the_remaining_work(served):
+    state, _, client = served
+    for job_id, fraction in (("early", 0.1), ("late", 0.9), ("undeclared", None)):
+        client.register_job(job_id, max_replicas=4)
+        client.post_hints(job_id, hints(job_id, completed_fraction=fraction))
+    allocator = Allocator(GoodputPolicy(), ClusterSpec(1, 4), state)
+    infos = {job_id: allocator.job_info(record) for job_id, record in state.jobs().items()}
+    assert infos["undeclared"].remaining_work is None
+    # Same progress (10 reference steps): 9x it left at 10% done, 1/9 of it at 90%.
+    assert infos["early"].remaining_work == pytest.approx(81 * infos["late"].remaining_work)
+
+
+def test_hints_of_the_previous_format_are_accepted_and_stored_in_the_current_one(served):
+    """A job of the previous release posts format 1 (no completed_fraction): stored as format 2 with null."""
+    _, _, client = served
+    client.register_job("job-a", max_replicas=4)
+    old = {key: value for key, value in hints(version=1).items() if key != "completed_fraction"}
+    client.post_hints("job-a", old)
+    assert client.get_hints("job-a") == hints()
+    client.post_hints("job-a", hints(completed_fraction=0.5))
+    assert client.get_hints("job-a")["completed_fraction"] == 0.5
+
+
 def test_unknown_jobs_are_rejected(served):
     _, server, client = served
     with pytest.raises(SupervisorError) as err:
@@ -102,6 +126,7 @@ def test_unknown_jobs_are_rejected(served):
     (hints(extra_field=1), "unknown fields"),
     (hints(job_id="job-b"), "does not match"),
     (hints(local_bsz_bounds=[64, 32]), "local_bsz_bounds"),
+    (hints(completed_fraction=1.5), "completed_fraction"),
     ([1, 2, 3], "JSON object"),
 ])
 def test_bad_hints_get_400_naming_the_problem(served, body, message):

@@ -288,6 +288,28 @@ def test_token_options_are_validated(job, kwargs, error):
         adaptive.AdaptiveDataLoader(Sequences(np.full(20, 3)), **kwargs)
 
 
+def test_hints_completed_fraction_counts_samples_with_a_token_budget(job, monkeypatch):
+    """With a token budget the epoch position is still in samples (of the sampler's epoch): each report of
+    the autoscaled loader lies within its epoch's share, grows, and reaches 1 after the last step."""
+    from adaptive.batchsize.autoscale import BatchSizeController
+
+    reported = []
+    monkeypatch.setattr(BatchSizeController, "report_hints",
+                        lambda self, grad, progress, completed_fraction=None: reported.append(
+                            (adaptive.current_epoch(), completed_fraction)))
+    net = torch.nn.Linear(1, 1)
+    adaptive.AdaptiveDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = make_loader(make_lengths(60, 4, high=30))
+    loader.autoscale_batch_size(256, adapt_every=1)
+    for _ in adaptive.remaining_epochs_until(2):
+        for _ in loader:
+            pass
+    fractions = [fraction for _, fraction in reported]
+    assert {epoch for epoch, _ in reported} == {0, 1} and fractions == sorted(fractions), reported
+    assert all(epoch / 2 <= fraction <= (epoch + 1) / 2 for epoch, fraction in reported), reported
+    assert fractions[-1] == 1.0 and 0.5 in fractions  # every sample of each epoch taken (none dropped here)
+
+
 def test_autoscale_bounds_are_tokens_and_checked_against_the_budget(job):
     lengths = make_lengths(50, 8, high=30)
     loader = make_loader(lengths)

@@ -155,11 +155,14 @@ def test_hints_round_trip_without_torch(no_torch_env, tmp_path):
             "max_profiled_replicas": 4, "max_profiled_nodes": 1, "progress": 321.5,
             "current": {{"num_nodes": 1, "num_replicas": 4, "local_bsz": 64, "accum_steps": 2}},
         }}
-        hints = Hints.from_json(json.dumps(document))
+        hints = Hints.from_json(json.dumps(document))  # format 1 (the previous release), migrated
+        assert hints.completed_fraction is None and hints.state_dict()["version"] == 2
         path = write_hints(hints, {str(tmp_path)!r})
         assert read_hints(path) == hints
         assert read_hints({str(tmp_path)!r}) == hints
         assert hints.goodput_function().init_batch_size == 128
+        current = Hints.from_json(json.dumps(dict(document, version=2, completed_fraction=0.5)))
+        assert read_hints(write_hints(current, {str(tmp_path)!r})).completed_fraction == 0.5
     """))
 
 

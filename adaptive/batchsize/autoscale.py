@@ -192,8 +192,12 @@ class BatchSizeController:
         self._state.perf_params = fitted
         return GoodputFunction(self._state.perf_params, grad_params, self.config.init_batch_size)
 
-    def hints(self, grad_params: Any, progress: float) -> Hints:
-        """What this job tells a cluster scheduler about itself."""
+    def hints(self, grad_params: Any, progress: float, completed_fraction: float | None = None) -> Hints:
+        """What this job tells a cluster scheduler about itself.
+
+        ``completed_fraction``: the part of the declared training done
+        (:func:`adaptive.elastic.epoch.completed_fraction`), None when unknown.
+        """
         local, accum = self.current()
         arrays = self.profile.to_arrays()
         return Hints(job_id=env.job_id(), timestamp=time.time(), init_batch_size=self.config.init_batch_size,
@@ -203,10 +207,13 @@ class BatchSizeController:
                      perf_params=self._state.perf_params, grad_params=grad_params,
                      max_profiled_replicas=int(arrays["num_replicas"].max(initial=0)),
                      max_profiled_nodes=int(arrays["num_nodes"].max(initial=0)), progress=progress,
-                     current=CurrentConfig(env.num_nodes(), env.num_replicas(), local, accum))
+                     current=CurrentConfig(env.num_nodes(), env.num_replicas(), local, accum),
+                     completed_fraction=completed_fraction)
 
-    def report_hints(self, grad_params: Any, progress: float) -> None:
+    def report_hints(self, grad_params: Any, progress: float, completed_fraction: float | None = None) -> None:
         """Write (and send, if a supervisor is configured) the hints; rank 0 only, never raises on I/O.
+
+        ``completed_fraction`` as in :meth:`hints`.
 
         Only after a new evaluation of the model, or when the last report is
         older than :data:`HINTS_REFRESH_SECONDS` (progress moves on).
@@ -217,7 +224,7 @@ class BatchSizeController:
             return
         self._fresh, self._reported_at = False, now
         try:
-            hints = self.hints(grad_params, progress)
+            hints = self.hints(grad_params, progress, completed_fraction)
             write_hints(hints, env.checkpoint_path())
             url = os.environ.get("ADAPTIVE_SUPERVISOR_URL")
             if url:

@@ -1,10 +1,11 @@
 """Scheduler hints: what a training job tells the cluster scheduler about itself.
 
-A job periodically summarises its throughput model, gradient statistics
-and batch-size limits as a small JSON document (format version 1)::
+A job periodically summarises its throughput model, gradient statistics,
+batch-size limits and how much of its declared training is done as a small
+JSON document (format version 2)::
 
     {
-      "version": 1,
+      "version": 2,
       "job_id": "bert-7",
       "timestamp": 1767225600.0,
       "init_batch_size": 256,
@@ -16,12 +17,22 @@ and batch-size limits as a small JSON document (format version 1)::
       "max_profiled_replicas": 4,
       "max_profiled_nodes": 1,
       "progress": 1234.5,                  # scale-invariant progress (sum of gains)
-      "current": {"num_nodes": 1, "num_replicas": 4, "local_bsz": 128, "accum_steps": 1}   # or null
+      "current": {"num_nodes": 1, "num_replicas": 4, "local_bsz": 128, "accum_steps": 1},  # or null
+      "completed_fraction": 0.35           # or null: no declared epoch count
     }
 
+``completed_fraction`` is the part of the job's declared training that is
+done, in [0, 1]: finished epochs plus the position in the current one, over
+the ``N`` of ``for epoch in remaining_epochs_until(N)``.  It is null when the
+script declares no epoch count (it does not loop with
+:func:`~adaptive.elastic.epoch.remaining_epochs_until`) or reports outside
+that loop.  The scheduler uses it to estimate a job's remaining work.
+
 The document is :meth:`Hints.state_dict` (read back with
-:meth:`Hints.from_state_dict`, which refuses another format version).  Its
-nested records carry no version of their own: the document's version covers
+:meth:`Hints.from_state_dict`, which refuses a newer format version).
+Version 1 documents (written before ``completed_fraction`` existed) are
+migrated explicitly and read with ``completed_fraction`` null.  Its nested
+records carry no version of their own: the document's version covers
 them.  It is written to ``hints.json`` in the checkpoint directory
 (atomically, with :func:`adaptive._utils.files.write_json_atomic`) and, when a scheduler
 URL is configured, POSTed to it as ``application/json``.  The scheduler
@@ -48,17 +59,41 @@ __all__ = ["HINTS_VERSION", "HINTS_FILENAME", "CurrentConfig", "Hints", "write_h
 
 logger = logging.getLogger(__name__)
 
-HINTS_VERSION = 1
+#: Format of the hints document (2 adds ``completed_fraction``; version 1 documents still read).
+HINTS_VERSION = 2
 HINTS_FILENAME = "hints.json"
 
 _CURRENT_FIELDS = ("num_nodes", "num_replicas", "local_bsz", "accum_steps")
 _HINT_FIELDS = ("version", "job_id", "timestamp", "init_batch_size", "max_batch_size", "local_bsz_bounds",
                 "gradient_accumulation", "perf_params", "grad_params", "max_profiled_replicas",
-                "max_profiled_nodes", "progress", "current")
+                "max_profiled_nodes", "progress", "current", "completed_fraction")
+
+
+def _v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 document predates ``completed_fraction``: it reads as null (nothing declared)."""
+    if "completed_fraction" in fields:
+        raise StateFormatError(f"{_field('completed_fraction')} is not part of hints format version 1; "
+                               f"a document with it must have version {HINTS_VERSION}")
+    return dict(fields, completed_fraction=None)
+
+
+#: ``{v: f}``: how a version ``v`` document becomes version ``v + 1``.
+_MIGRATIONS = {1: _v1_to_v2}
 
 
 def _field(name: str) -> str:
     return f"hints field {name!r}"
+
+
+def _check_keys(fields: Mapping[str, Any]) -> None:
+    """StateFormatError unless ``fields`` (a document without its version, in
+    the current format) has exactly the hints fields."""
+    unknown = sorted(k for k in fields if k not in _HINT_FIELDS)
+    if unknown:
+        raise StateFormatError(f"hints have unknown fields {unknown}; allowed fields are {list(_HINT_FIELDS)}")
+    missing = [k for k in _HINT_FIELDS if k != "version" and k not in fields]
+    if missing:
+        raise StateFormatError(f"hints are missing fields {missing}")
 
 
 def _nested(record: PerfParams | GradParams | CurrentConfig | None) -> dict[str, Any] | None:
@@ -141,6 +176,7 @@ class Hints:
     progress: float
     current: CurrentConfig | None
     version: int = HINTS_VERSION
+    completed_fraction: float | None = None  # last, with a default: constructors without it keep working
 
     def __post_init__(self) -> None:
         if self.version != HINTS_VERSION:
@@ -165,6 +201,9 @@ class Hints:
             raise ValueError("hints field 'max_profiled_nodes' must be <= max_profiled_replicas, got "
                              f"{self.max_profiled_nodes} > {self.max_profiled_replicas}")
         object.__setattr__(self, "progress", check_float(_field("progress"), self.progress, 0.0))
+        if self.completed_fraction is not None:
+            object.__setattr__(self, "completed_fraction",
+                               check_float(_field("completed_fraction"), self.completed_fraction, 0.0, 1.0))
 
     def _check_bounds(self) -> None:
         bounds = self.local_bsz_bounds
@@ -183,19 +222,16 @@ class Hints:
     def from_state_dict(cls, state: Mapping[str, Any]) -> Hints:
         """Parse and validate the JSON form; unknown keys are rejected.
 
-        Every problem is a ValueError (a :class:`StateFormatError` for the
-        format itself), so that a reader of posted or written hints can
-        refuse a bad document without guarding against other errors.
+        An older format version is migrated explicitly (a version 1
+        document reads with ``completed_fraction=None``); a newer one is
+        refused.  Every problem is a ValueError (a :class:`StateFormatError`
+        for the format itself), so that a reader of posted or written hints
+        can refuse a bad document without guarding against other errors.
         """
         if not isinstance(state, Mapping):
             raise StateFormatError(f"hints must be a JSON object, got {type(state).__name__}")
-        unknown = sorted(k for k in state if k not in _HINT_FIELDS)
-        if unknown:
-            raise StateFormatError(f"hints have unknown fields {unknown}; allowed fields are {list(_HINT_FIELDS)}")
-        missing = [k for k in _HINT_FIELDS if k not in state]
-        if missing:
-            raise StateFormatError(f"hints are missing fields {missing}")
-        values = read_state("hints", state, HINTS_VERSION)
+        values = read_state("hints", state, HINTS_VERSION, _MIGRATIONS)
+        _check_keys(values)
         for name, parse in (("perf_params", PerfParams.from_state_dict),
                             ("grad_params", GradParams.from_state_dict),
                             ("current", CurrentConfig.from_state_dict)):
@@ -228,6 +264,7 @@ class Hints:
             "max_profiled_nodes": self.max_profiled_nodes,
             "progress": self.progress,
             "current": _nested(self.current),
+            "completed_fraction": self.completed_fraction,
         }
 
     def to_json(self) -> str:

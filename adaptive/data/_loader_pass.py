@@ -159,11 +159,21 @@ class LoaderPasses:
                 before = self._controller.current()
                 grad_params = model.gns.to_grad_params()
                 decision = self._controller.decide(grad_params, force=force)
-                self._controller.report_hints(grad_params, model.scaling_rule.progress)
+                self._controller.report_hints(grad_params, model.scaling_rule.progress, self._completed_fraction())
                 if decision is not None:
                     self._report.decision(decision, *before)
         if not first and torch.is_grad_enabled():  # not for evaluation loops under no_grad
             self._report.step_taken(model, self._state.index, self._init_batch_size)
+
+    def _completed_fraction(self) -> float | None:
+        """The job's declared training done, for the hints: finished epochs plus this loop's position.
+
+        The position is the share of the epoch's samples this loop has
+        taken (``state.index`` counts samples with a token budget too), over
+        the sampler's epoch length; None without a declared epoch count.
+        """
+        total = self.sampler.num_samples
+        return epoch.completed_fraction(min(1.0, self._state.index / total) if total > 0 else 0.0)
 
     def _mark_finished(self, key: int | None) -> None:
         self._state.finished[key] = self._state.loop

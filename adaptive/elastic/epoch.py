@@ -21,6 +21,10 @@ A script that ends training early (a ``--max-steps`` limit) calls
 :func:`finish_training` before it leaves the loop with ``break``: a plain
 ``break`` cannot be told apart from an exception unwinding the loop, and a
 crash must never be checkpointed as finished.
+
+While the loop runs it remembers the declared epoch count, so that
+:func:`completed_fraction` can tell the scheduler (through the hints, see
+:mod:`adaptive.batchsize.hints`) how much of the training is done.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
+from adaptive._utils.checks import check_float
 from adaptive.checkpoint import states
 from adaptive.elastic.job import EpochProgress, current_job
 from adaptive.elastic import env
 from adaptive.elastic import sync_points
 
-__all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished"]
+__all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished",
+           "completed_fraction"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,28 @@ def finished_epochs() -> int:
 def training_finished() -> bool:
     """True once :func:`finish_training` was called, in this run or before a restart."""
     return _epoch_state().ended
+
+
+def completed_fraction(within_epoch: float) -> float | None:
+    """The part of the declared training that is done, in [0, 1], or None when no total is known.
+
+    ``(finished epochs + within_epoch) / N`` for the running
+    ``remaining_epochs_until(N)`` loop, clipped to [0, 1]; 1 once
+    :func:`finish_training` ended training.  None outside that loop, or when
+    it declared no epochs (``N == 0``): the job's remaining work is unknown.
+
+    Args:
+        within_epoch: the position inside the current epoch, in [0, 1]
+            (the loader's share of the epoch's samples already taken).
+    """
+    within_epoch = check_float("within_epoch", within_epoch, 0.0, 1.0)
+    progress = _progress()
+    if not progress.looping or not progress.total:
+        return None
+    state = _epoch_state()
+    if state.ended:
+        return 1.0
+    return min(1.0, max(0.0, (state.finished + within_epoch) / progress.total))
 
 
 def finish_training() -> None:
@@ -139,7 +167,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                     state.finished)
     elif state.finished >= epoch:
         logger.info("all %d epochs already finished (%d done); nothing left to train", epoch, state.finished)
-    progress.looping = True
+    progress.looping, progress.total = True, epoch
     try:
         while state.finished < epoch and not state.ended:
             state.current = state.finished
@@ -158,7 +186,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                 _save_finished(state)
             sync_points.settle(lambda: _epoch_metadata(state))
     finally:
-        progress.looping = False
+        progress.looping, progress.total = False, None
         states.end_epoch()
 
 

@@ -76,6 +76,7 @@ class EpochProgress:
 
     state: Any = None  # the checkpointed epoch counter
     looping: bool = False
+    total: int | None = None  # the epoch count the running loop declared (remaining_epochs_until(total))
     finish_pending: bool = False  # finish_training() inside a loader step: the loader saves after the step
 
 

@@ -28,11 +28,40 @@ has the tables, including what did not help):
 * **Exact counts** ``search="exact"``: replica counts from the dynamic
   program of :mod:`scheduler.policies.search` (the optimum of the
   separable objective) instead of greedy marginal gains plus local search.
+
+Three more use what a job knows of its own length: a job looping over a
+declared number of epochs reports the fraction done, from which
+:func:`scheduler.job_info.estimate_remaining_work` extrapolates its
+remaining work ``W`` (seconds on one device). Jobs that do not declare it
+are treated as before.
+
+* **Shorter jobs weigh more** ``length_weight``: each job's utility is
+  multiplied by ``(median T / T) ** length_weight``, where ``T = W /
+  speedup`` is its remaining time at its fastest allowed count (the median
+  over the jobs that report ``W``; weight 1 for those that do not).
+  Finishing a short job sooner takes it out of every later round's
+  competition, which is what lowers the average JCT (the
+  shortest-remaining-processing-time idea). Time at the fastest count
+  rather than work ``W``: a long job that scales well is the one the
+  makespan waits for and it can still finish soon, while one that scales
+  poorly would hold many GPUs for little. A small exponent keeps long jobs
+  running at a useful size; larger ones cost the tail and the makespan
+  more than they gained.
+* **Restarts charged against the time left**: a move is charged against
+  the smaller of the job's age and its remaining time where it runs
+  (``W / speedup``), so a job about to finish is not restarted for a gain
+  it would not live to collect.
+* **An efficiency floor** ``min_efficiency``: no job gets ``r >= 2``
+  replicas whose speedup is below ``min_efficiency * r``. The cluster is
+  full nearly all the time, so GPUs a job uses at a poor fraction of their
+  worth lengthen everyone else's time and the makespan; the floor keeps
+  the weights from spreading short jobs thin.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -51,11 +80,18 @@ PAYBACK_DEFAULT = 2.0
 #: Default most replicas before a job has a throughput model (Pollux: 1).
 INITIAL_REPLICAS_DEFAULT = 4
 
+#: Default exponent of the remaining-work weights (0: all jobs weigh the same).
+LENGTH_WEIGHT_DEFAULT = 0.1
+
+#: Default least speedup per replica for counts of two or more (0: no floor).
+MIN_EFFICIENCY_DEFAULT = 0.3
+
 SEARCHES = ("exact", "greedy")
 
 
 class GoodputPolicy(PolluxPolicy):
-    """Pollux's objective with a tuned exponent, restart payback and exact search.
+    """Pollux's objective with a tuned exponent, restart payback, exact search,
+    remaining-work weights and an efficiency floor.
 
     Args:
         p: power-mean exponent over job speedups (``p <= 1``).
@@ -70,13 +106,23 @@ class GoodputPolicy(PolluxPolicy):
             search in this package).
         initial_replicas: most replicas for a job whose throughput model has
             seen no placement yet (>= 1; ``1`` is Pollux's rule).
+        length_weight: exponent of the weights ``(median T / T)`` that favour
+            jobs with less remaining time ``T`` at their fastest allowed
+            count (>= 0; ``0`` turns them off).
+        min_efficiency: least speedup per replica of a count of two or more
+            (in [0, 1); ``0`` turns the floor off).
+
+    ``GoodputPolicy(length_weight=0, min_efficiency=0)`` is the previous
+    ``goodput`` for jobs that report no remaining work (for the others its
+    restart horizon can still be shorter).
     """
 
     name = "goodput"
 
     def __init__(self, p: float = P_DEFAULT, restart_penalty: float = 30.0, exploration_factor: float = 4.0,
                  local_search_passes: int = 2, payback: float = PAYBACK_DEFAULT, search: str = "exact",
-                 initial_replicas: int = INITIAL_REPLICAS_DEFAULT):
+                 initial_replicas: int = INITIAL_REPLICAS_DEFAULT, length_weight: float = LENGTH_WEIGHT_DEFAULT,
+                 min_efficiency: float = MIN_EFFICIENCY_DEFAULT):
         super().__init__(p=p, restart_penalty=restart_penalty, exploration_factor=exploration_factor,
                          local_search_passes=local_search_passes)
         if payback < 1:
@@ -85,9 +131,15 @@ class GoodputPolicy(PolluxPolicy):
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
         if initial_replicas < 1:
             raise ValueError(f"initial_replicas must be >= 1, got {initial_replicas}")
+        if not length_weight >= 0:
+            raise ValueError(f"length_weight must be >= 0, got {length_weight}")
+        if not 0 <= min_efficiency < 1:
+            raise ValueError(f"min_efficiency must be in [0, 1), got {min_efficiency}")
         self.payback = float(payback)
         self.search = search
         self.initial_replicas = int(initial_replicas)
+        self.length_weight = float(length_weight)
+        self.min_efficiency = float(min_efficiency)
 
     def _replica_cap(self, job: JobInfo) -> int:
         """Pollux's cap once the job has been profiled; before that, up to
@@ -102,13 +154,45 @@ class GoodputPolicy(PolluxPolicy):
             return exact_counts(utility, caps, capacity)
         return super()._counts(utility, caps, capacity)
 
-    def _restart_factor(self, job: JobInfo, now: float) -> float:
+    def _allowed(self, job: JobInfo, reps: np.ndarray, speedup: np.ndarray) -> np.ndarray:
+        """Pollux's limits, without counts of two or more replicas whose
+        speedup is below ``min_efficiency`` per replica (``min_replicas``
+        stays allowed)."""
+        allowed = super()._allowed(job, reps, speedup)
+        if self.min_efficiency > 0:
+            wasteful = (reps > max(job.min_replicas, 1)) & (speedup < self.min_efficiency * reps)
+            allowed &= ~wasteful
+        return allowed
+
+    def _job_weights(self, names: Sequence[str], jobs: Mapping[str, JobInfo],
+                     fastest: np.ndarray) -> np.ndarray:
+        """``(median T / T) ** length_weight`` with ``T = W / fastest``, each
+        job's remaining time at its best allowed count, over the jobs that
+        report their remaining work ``W``; 1 for the others."""
+        weights = np.ones(len(names))
+        work = np.array([_or_nan(jobs[n].remaining_work) for n in names])
+        known = np.isfinite(work) & (work > 0) & (fastest > 0)
+        if self.length_weight > 0 and known.any():
+            time_left = work[known] / fastest[known]
+            weights[known] = (np.median(time_left) / time_left) ** self.length_weight
+        return weights
+
+    def _restart_factor(self, job: JobInfo, now: float, speedup_now: float) -> float:
         """Share of its speed a running job keeps over its expected remaining
-        time (about its age) if moved now, charging ``payback`` restarts
-        (plus one per past restart) for the move."""
+        time if moved now, charging ``payback`` restarts (plus one per past
+        restart) for the move. The expected time is its age, or its
+        remaining time where it runs (``W / speedup_now``) when that is
+        known and shorter."""
         delay = self.restart_penalty
         if delay == 0:
             return 1.0
-        age = max(now - job.submission_time, 0.0)
+        horizon = max(now - job.submission_time, 0.0)
+        if job.remaining_work is not None and speedup_now > 0:
+            horizon = min(horizon, job.remaining_work / speedup_now)
         charged = (job.num_restarts + self.payback) * delay
-        return max(age - charged, 0.0) / max(age, delay)
+        return max(horizon - charged, 0.0) / max(horizon, delay)
+
+
+def _or_nan(value: float | None) -> float:
+    """``value``, with ``None`` (not reported) as NaN for array masks."""
+    return float("nan") if value is None else float(value)

@@ -126,6 +126,7 @@ class PolluxPolicy(Policy):
         reps = np.arange(max_r + 1)
         fair = max(1, math.ceil(cluster.total_gpus / len(jobs)))
         table = np.full((len(names), max_r + 1), -np.inf)
+        fastest = np.zeros(len(names))  # best speedup among each job's allowed counts
         for i, name in enumerate(names):
             job = jobs[name]
             speedup = self._speedups(job, reps, cluster.gpus_per_node, current.get(name, ()))
@@ -133,10 +134,22 @@ class PolluxPolicy(Policy):
             scaled = speedup / max(base, 1e-12) / cluster.gpus_per_node
             held = len(current.get(name, ()))
             if held:  # moving a running job costs it a restart; starting a waiting one costs nothing extra
-                scaled = np.where((reps != held) & (reps > 0), scaled * self._restart_factor(job, now), scaled)
-            allowed = (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= self._replica_cap(job)))
+                factor = self._restart_factor(job, now, speedup[held])
+                scaled = np.where((reps != held) & (reps > 0), scaled * factor, scaled)
+            allowed = self._allowed(job, reps, speedup)
             table[i] = np.where(allowed, self._u(scaled), -np.inf)
-        return table
+            fastest[i] = speedup[allowed].max(initial=0.0)
+        return table * self._job_weights(names, jobs, fastest)[:, None]
+
+    def _allowed(self, job: JobInfo, reps: np.ndarray, speedup: np.ndarray) -> np.ndarray:
+        """Replica counts ``job`` may have: none, or within its limits and cap."""
+        return (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= self._replica_cap(job)))
+
+    def _job_weights(self, names: Sequence[str], jobs: Mapping[str, JobInfo],
+                     fastest: np.ndarray) -> np.ndarray:
+        """Positive weight of each job's utility in the objective (all equal
+        here; ``fastest`` is each job's best speedup among its allowed counts)."""
+        return np.ones(len(names))
 
     def _replica_cap(self, job: JobInfo) -> int:
         """``max_replicas``, and at most ``exploration_factor`` times what the
@@ -161,9 +174,10 @@ class PolluxPolicy(Policy):
             out[positive] = job.speedup_fn(nodes[positive], reps[positive])
         return out
 
-    def _restart_factor(self, job: JobInfo, now: float) -> float:
+    def _restart_factor(self, job: JobInfo, now: float, speedup_now: float) -> float:
         """Share of its speed a running job keeps over its expected remaining
-        time (about its age) if it is restarted now."""
+        time (about its age) if it is restarted now (``speedup_now``, its
+        speedup where it runs, is not needed for that guess)."""
         delay = self.restart_penalty
         if delay == 0:
             return 1.0

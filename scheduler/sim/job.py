@@ -144,6 +144,18 @@ class SimulatedJob:
         """Throughput model learned so far (``None`` before the job first ran)."""
         return self._perf
 
+    @property
+    def completed_fraction(self) -> float:
+        """Fraction of the job's training done, as it reports it in its hints.
+
+        A real job looping over a declared number of epochs knows how many
+        samples each epoch has, so it knows exactly how much of its
+        training is done. Here an epoch is an amount of progress (see the
+        module docstring), so the same knowledge is progress over the
+        progress at the last epoch.
+        """
+        return min(self.progress / self.profile.total_progress, 1.0)
+
     def grad_stats(self) -> tuple[float, float]:
         """Gradient (sqr, var) the job currently measures (var relative to the initial batch)."""
         batch = self.batch_size or self.profile.init_batch_size

@@ -180,7 +180,8 @@ class Simulator:
             max_batch_size=prof.max_batch_size, local_bsz_bounds=(prof.min_local_bsz, prof.max_local_bsz),
             gradient_accumulation=True, max_profiled_replicas=job.max_profiled_replicas,
             max_replicas=self.cluster.total_gpus, attained_service=job.attained_service,
-            num_restarts=job.num_restarts, speedup_cache=self._speedups)
+            num_restarts=job.num_restarts, speedup_cache=self._speedups, progress=job.progress,
+            completed_fraction=job.completed_fraction)
 
 
 def resolve_workload(path: str) -> str:
