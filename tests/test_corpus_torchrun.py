@@ -115,7 +115,8 @@ def run_sequence(jobs: Jobs, references, tmp_path, script: Script, sequence: str
 
 # ---------------------------------------------------------------------- the ports of AdaptDL's scripts
 
-FAST_PORTS = {("cifar", "term-valid"), ("mnist", "term-epoch-end")}
+FAST_PORTS = {("cifar", "term-valid")}
+SAMPLED_PORTS = {("mnist", "term-epoch-end")}  # about 35 s: CI runs it after the default suite
 
 
 def _port_cases():
@@ -127,6 +128,8 @@ def _port_cases():
             names.append("term-between-loops")
         for name in names:
             marks = () if (script.id, name) in FAST_PORTS else (pytest.mark.slow,)
+            if (script.id, name) in SAMPLED_PORTS:
+                marks += (pytest.mark.ci_sample,)
             yield pytest.param(script.id, name, id=f"{script.id}-{name}", marks=marks)
 
 

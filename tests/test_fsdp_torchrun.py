@@ -159,6 +159,8 @@ def test_hsdp_mesh_stop_then_resume_on_a_1d_mesh_reshards_exactly(jobs, tmp_path
     assert_exact_counts(out, 1, log)
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_token_lm_example_trains_sharded_and_a_relaunch_on_1_replica_reshards(jobs, tmp_path):
     """``examples/token_lm.py --shard``: 2 replicas train a few steps and finish; the same command on
     1 replica restores the sharded checkpoint (2 -> 1) and trains nothing more."""

@@ -110,6 +110,8 @@ def test_one_rank(tmp_path):
     assert "root FSDP module" in errors["submodule"]
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 30 s: CI runs it after the default suite (test_one_rank stays in it)
 @pytest.mark.distributed
 def test_two_ranks(tmp_path):
     """Two ranks: replicas, replicas x micro-steps, bf16 mixed precision, Adam with a sharded
