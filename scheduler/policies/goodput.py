@@ -177,20 +177,13 @@ class GoodputPolicy(PolluxPolicy):
             weights[known] = (np.median(time_left) / time_left) ** self.length_weight
         return weights
 
-    def _restart_factor(self, job: JobInfo, now: float, speedup_now: float) -> float:
-        """Share of its speed a running job keeps over its expected remaining
-        time if moved now, charging ``payback`` restarts (plus one per past
-        restart) for the move. The expected time is its age, or its
-        remaining time where it runs (``W / speedup_now``) when that is
-        known and shorter."""
-        delay = self.restart_penalty
-        if delay == 0:
-            return 1.0
-        horizon = max(now - job.submission_time, 0.0)
+    def _expected_remaining(self, job: JobInfo, now: float, speedup_now: float) -> float:
+        """The job's age, or its remaining time where it runs (``W /
+        speedup_now``) when that is known and shorter."""
+        horizon = super()._expected_remaining(job, now, speedup_now)
         if job.remaining_work is not None and speedup_now > 0:
             horizon = min(horizon, job.remaining_work / speedup_now)
-        charged = (job.num_restarts + self.payback) * delay
-        return max(horizon - charged, 0.0) / max(horizon, delay)
+        return horizon
 
 
 def _or_nan(value: float | None) -> float:

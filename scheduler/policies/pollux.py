@@ -174,15 +174,24 @@ class PolluxPolicy(Policy):
             out[positive] = job.speedup_fn(nodes[positive], reps[positive])
         return out
 
+    #: Restarts a move must pay back, besides one per past restart (Pollux: 1).
+    payback = 1.0
+
     def _restart_factor(self, job: JobInfo, now: float, speedup_now: float) -> float:
         """Share of its speed a running job keeps over its expected remaining
-        time (about its age) if it is restarted now (``speedup_now``, its
-        speedup where it runs, is not needed for that guess)."""
+        time ``h`` if moved now: ``(h - (restarts + payback) * delay) / h``."""
         delay = self.restart_penalty
         if delay == 0:
             return 1.0
-        age = max(now - job.submission_time, 0.0)
-        return max(age - (job.num_restarts + 1) * delay, 0.0) / max(age, delay)
+        horizon = self._expected_remaining(job, now, speedup_now)
+        charged = (job.num_restarts + self.payback) * delay
+        return max(horizon - charged, 0.0) / max(horizon, delay)
+
+    def _expected_remaining(self, job: JobInfo, now: float, speedup_now: float) -> float:
+        """Seconds a running job is expected to run on: about its age, since
+        job lengths are unknown (``speedup_now``, its speedup where it runs,
+        is not needed for that guess)."""
+        return max(now - job.submission_time, 0.0)
 
     def _u(self, x: np.ndarray) -> np.ndarray:
         """Per-job utility whose sum ranks allocations like the power mean."""
