@@ -64,3 +64,10 @@ class Backend(abc.ABC):
         allocates only alive ones. The local backend keeps the default.
         """
         return None
+
+
+def exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it: ``128 + N`` when signal
+    ``N`` ended it (``subprocess`` gives ``-N``), so that a stop (SIGTERM:
+    143) reads the same whether the launcher exited or was killed."""
+    return 128 - returncode if returncode < 0 else returncode

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.executor.backend import Assignment, Backend
+from scheduler.executor.backend import Assignment, Backend, exit_status
 from scheduler.executor.jobspec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,7 @@ class LocalBackend(Backend):
 
     def poll(self, handle: LocalHandle) -> int | None:
         code = handle.process.poll()
-        if code is not None and code < 0:
-            return 128 - code  # killed by signal N -> 128 + N, as a shell reports it
-        return code
+        return None if code is None else exit_status(code)
 
     def stop(self, handle: LocalHandle) -> None:
         self._signal(handle, signal.SIGTERM)

@@ -27,6 +27,8 @@ import signal
 import subprocess
 import sys
 
+from scheduler.executor.backend import exit_status
+
 logger = logging.getLogger(__name__)
 
 #: Seconds between checks that the parent is still alive.
@@ -73,7 +75,7 @@ def run(parent: int, command: list[str]) -> int:
         except subprocess.TimeoutExpired:
             if _parent_gone(parent):
                 _kill_group_and_exit()
-    return 128 - code if code < 0 else code
+    return exit_status(code)
 
 
 def main(argv: list[str] | None = None) -> int:

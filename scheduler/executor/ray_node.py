@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 
+from scheduler.executor.backend import exit_status
 from scheduler.executor.ray_import import import_ray
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class NodeLauncher:
         if self._process is None:
             return None
         code = self._process.poll()
-        return 128 - code if code is not None and code < 0 else code
+        return None if code is None else exit_status(code)
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the whole process group (guard, launcher, workers)."""

@@ -93,9 +93,9 @@ class RayPool:
         return ClusterSpec(len(alive), self._slots_floor())
 
     def _slots_floor(self) -> int:
+        """The fewest slots an alive node offers (already capped at ``slots_per_node`` by :meth:`_read`)."""
         offered = [n.slots for n in self._nodes.values() if n.alive and n.slots >= 1]
-        floor = min(offered) if offered else 1
-        return min(floor, self.slots_per_node) if self.slots_per_node else floor
+        return min(offered) if offered else 1
 
     def _read(self) -> None:
         for raw in self._list_nodes():
