@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from adaptive._utils.lazy import lazy_exports
+from adaptive.elastic import process_tree as _process_tree
 
 __version__ = "0.2.0"
 
@@ -59,6 +60,11 @@ __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("batchsize", "checkpoint", "data", "elastic", "observe", "parallel")
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
+
+# A training worker that adaptive-run started dies with it (SIGKILL from the kernel), whatever kills
+# the launcher: torchrun's workers live in sessions of their own, out of reach of a signal to the
+# launcher's process group.  Nothing happens outside adaptive-run (see adaptive.elastic.process_tree).
+_process_tree.bind_to_parent()
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from adaptive.batchsize.rampup import ConstantSchedule, LinearRampup, StagedSchedule

@@ -343,7 +343,7 @@ def test_periodic_saves_are_asynchronous_by_setting(group: Path, monkeypatch: py
     current_job().agreement.decided[:] = [0.0, 1.0]
     monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", "0")
     sync_points._act(dict)
-    assert calls == [{"blocking": False}, {}]
+    assert calls == [{"blocking": False}, {"blocking": True}]
 
 
 def test_asynchronous_saves_of_plain_states_work_too(job: Path) -> None:

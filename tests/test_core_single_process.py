@@ -317,7 +317,7 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
     monkeypatch.setattr(sync_points.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(collectives, "allreduce_max_async", fake_allreduce)
     saved: list[dict] = []
-    monkeypatch.setattr(sync_points.states, "save_all_states", saved.append)
+    monkeypatch.setattr(sync_points.states, "save_all_states", lambda info, blocking=True: saved.append(info))
     step_time = 0.01  # 10 ms steps: 10 boundaries per 0.1 s
     for _ in range(200):
         clock["now"] += step_time

@@ -191,7 +191,7 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
                         lambda values: collectives._Ready(torch.tensor(values, dtype=torch.float64)))
     saves: list[float] = []
 
-    def save(metadata=None):
+    def save(metadata=None, blocking=True):
         saves.append(clock["now"])
         current_job().checkpoints.save_count += 1
         current_job().checkpoints.last_save_time = clock["now"]

@@ -222,6 +222,8 @@ class BatchSizeController:
         if env.rank() != 0 or not (self._fresh or self._reported_at is None
                                    or now - self._reported_at >= HINTS_REFRESH_SECONDS):
             return
+        if states.stale_generation() is not None:  # a fenced incarnation writes nothing into the folder
+            return
         self._fresh, self._reported_at = False, now
         try:
             hints = self.hints(grad_params, progress, completed_fraction)

@@ -4,7 +4,8 @@
 (:class:`State`: ``state_dict``/``load_state_dict`` with a format version;
 :class:`ShardedState` adds a part every rank writes its shards of) and
 saves all of a job's states together, blocking or in the background; :mod:`.store` writes and verifies
-checkpoint directories (atomic publication, checksums, keep-K).
+checkpoint directories (atomic publication, checksums, keep-K); :mod:`.generation` lets only the newest
+incarnation of a job publish (guarantee G6).
 """
 
 from adaptive._utils.lazy import lazy_exports
@@ -20,6 +21,8 @@ _EXPORTS = {
     "CheckpointStore": "adaptive.checkpoint.store",
     "Checkpoint": "adaptive.checkpoint.store",
     "CheckpointInfo": "adaptive.checkpoint.store",
+    "Generation": "adaptive.checkpoint.generation",
+    "StaleGenerationError": "adaptive.checkpoint.generation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from adaptive.checkpoint import _format, _safe_load
+from adaptive.checkpoint.generation import StaleGenerationError
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
 from adaptive.elastic import collectives, env
 from adaptive.elastic.job import CheckpointSession, Job, current_job, on_reset
@@ -106,11 +107,10 @@ def save(states: list[Any], sharded: list[Any], store: CheckpointStore, info: Ca
             reservation = store.reserve(sharded=bool(sharded))
             outcome = (reservation.seq, str(reservation.temp), None)
         except Exception as error:
-            logger.error("checkpoint not saved: %s", error)
-            outcome = (None, None, f"{type(error).__name__}: {error}")
+            outcome = (None, None, failure(error))
     seq, temp, error = collectives.broadcast_object(outcome)
     if error is not None:
-        raise CheckpointError(error)
+        raise_failure(error)
     job = _Save(seq=seq, temp=Path(temp), reservation=reservation, store=store, flat=None,
                 sharded=tuple(state.name for state in sharded), small=None, info=None, started=started)
     problem = None
@@ -173,7 +173,7 @@ def _write(job: _Save, group: Any) -> int:
         inner = _dcp_io.underlying(error)
         problem = f"rank {env.rank()}: {type(inner).__name__}: {inner}"
     job.flat = None  # the staged copy is not needed any more
-    outcome: tuple[int | None, str | None] = (None, None)
+    outcome: tuple[int | None, Any] = (None, None)
     try:
         gathered = _allgather(group, (records, problem))
         if job.reservation is not None:
@@ -184,12 +184,12 @@ def _write(job: _Save, group: Any) -> int:
             job.store.abandon(job.reservation)
         raise CheckpointError(f"checkpoint {job.seq} not saved: {error}") from error
     if error is not None:
-        raise CheckpointError(error)
+        raise_failure(error)
     return seq
 
 
-def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]) -> tuple[int | None, str | None]:
-    """Rank 0: publish the checkpoint if every rank wrote its shards; (seq, None) or (None, why not)."""
+def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]) -> tuple[int | None, Any]:
+    """Rank 0: publish the checkpoint if every rank wrote its shards; (seq, None) or (None, the failure)."""
     problems = [problem for _, problem in gathered if problem is not None]
     if problems:
         job.store.abandon(job.reservation)
@@ -200,11 +200,29 @@ def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | Non
     try:
         saved = job.store.publish(job.reservation, job.small, job.info, sharded)
     except Exception as error:
-        logger.error("checkpoint %d not saved: %s", job.seq, error)
-        return None, f"{type(error).__name__}: {error}"
+        return None, failure(error, f"checkpoint {job.seq} not saved")
     report_saved(saved.seq, saved.size, time.monotonic() - job.started, job.info,
                  blocked=job.blocked if job.blocked else None)
     return saved.seq, None
+
+
+def failure(error: BaseException, context: str = "checkpoint not saved") -> str | dict[str, Any]:
+    """How rank 0 tells the other ranks that a save failed: plain text, or the fields of a stale generation.
+
+    Logged here as an error, except a stale generation, whose agreed stop says it once per rank.
+    """
+    if isinstance(error, StaleGenerationError):
+        logger.debug("%s: %s", context, error)
+        return {"stale": error.fields()}
+    logger.error("%s: %s", context, error)
+    return f"{type(error).__name__}: {error}"
+
+
+def raise_failure(failure: str | dict[str, Any]) -> None:
+    """Raise on any rank what :func:`failure` described: :class:`StaleGenerationError` or :class:`CheckpointError`."""
+    if isinstance(failure, dict):
+        raise StaleGenerationError.from_fields(failure["stale"])
+    raise CheckpointError(failure)
 
 
 def report_saved(seq: int, size: int, seconds: float, info: dict[str, Any], blocked: float | None = None) -> None:

@@ -29,7 +29,10 @@ epoch ends.  A replay of the epoch creates them in the same order and finds
 them again; another epoch's objects never pick them up.
 
 A job is *resuming* exactly when a complete checkpoint exists; see
-:func:`resumed_checkpoint`.
+:func:`resumed_checkpoint`. Before rank 0 looks for that checkpoint it takes
+the job's next generation in the checkpoint folder (guarantee G6, see
+:mod:`adaptive.checkpoint.generation`); its store publishes only while that
+generation is the newest.
 
 A :class:`ShardedState` (a model and optimizer sharded with FSDP2) adds a
 sharded part that every rank writes its own shards of, through
@@ -51,7 +54,9 @@ from adaptive.checkpoint import _saving
 from adaptive.elastic import collectives
 from adaptive.elastic import env
 from adaptive.observe import metrics
+from adaptive.checkpoint.generation import Generation, StaleGenerationError, newest_generation
 from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
+from adaptive.elastic import launch_status
 from adaptive.checkpoint._safe_load import validate_metadata as _validate_metadata
 from adaptive.elastic.job import CheckpointSession, current_job
 from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatError, upgrade
@@ -208,13 +213,62 @@ def registered_states() -> list[State]:
     return list(_session().registry.values())
 
 
+#: Seconds between rank 0's reads of the newest generation (:func:`stale_generation`).
+GENERATION_CHECK_INTERVAL = 1.0
+
+
 def _checkpoint_store() -> CheckpointStore:
+    """The job's store; on rank 0 it holds this incarnation's generation, taken on first use."""
     root = env.checkpoint_path()
     session = _session()
     if session.store is None or session.store_root != root:
-        session.store = CheckpointStore(root, keep=env.checkpoint_keep())
+        session.generation = _take_generation(root) if env.rank() == 0 else None
+        session.generation_checked_at, session.stale = time.monotonic(), None
+        session.store = CheckpointStore(root, keep=env.checkpoint_keep(), generation=session.generation)
         session.store_root = root
     return session.store
+
+
+def _take_generation(root: str) -> Generation:
+    """Rank 0 takes this incarnation's generation, unless its launcher's incarnation was already fenced.
+
+    A torchrun restart round of a fenced incarnation must not take over from
+    the incarnation that fenced it: adaptive-run ends such an incarnation, and
+    a round that starts before it does refuses here.
+    """
+    fenced = launch_status.stale_report()
+    if fenced is not None:
+        raise StaleGenerationError(root, int(fenced.get("generation") or 0), newest_generation(root))
+    taken = Generation.take(root)
+    logger.debug("this incarnation is generation %d of the job's checkpoint folder %s", taken.number, root)
+    return taken
+
+
+def generation() -> Generation | None:
+    """The generation this incarnation took (rank 0, once the store was used; None elsewhere)."""
+    return _session().generation
+
+
+def stale_generation(now: float | None = None) -> StaleGenerationError | None:
+    """On rank 0: the error to stop with once a newer generation took over (None while this one is newest).
+
+    Reads the newest generation at most every :data:`GENERATION_CHECK_INTERVAL`
+    seconds; other ranks, and a job that has not used its store yet, get None.
+    """
+    session = _session()
+    if session.generation is None:
+        return None
+    if session.stale is None:
+        now = time.monotonic() if now is None else now
+        if session.generation_checked_at is None or now - session.generation_checked_at >= GENERATION_CHECK_INTERVAL:
+            session.generation_checked_at = now
+            try:
+                session.generation.check()
+            except StaleGenerationError as error:
+                session.stale = error
+            except CheckpointError as error:  # unreadable record: the next publication decides
+                logger.warning("could not check this incarnation's generation: %s", error)
+    return session.stale
 
 
 def resumed_checkpoint() -> Checkpoint | None:
@@ -233,15 +287,18 @@ def resumed_checkpoint() -> Checkpoint | None:
     session.resumed_looked_up = True
     meta = {} if resumed is None else dict(resumed.info.metadata or {})
     metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
+                                  generation=None if session.generation is None else session.generation.number,
                                   resumed=None if resumed is None else resumed.info.seq,
                                   epoch=meta.get("epoch"), step=meta.get("step"), loader=meta.get("loader"),
                                   loader_steps=meta.get("loader_steps"), replicas_before=meta.get("replicas"))
     if resumed is not None:
         logger.log(
             logging.INFO if env.rank() == 0 else logging.DEBUG,
-            "resuming from checkpoint %d in %s (saved at epoch %s, step %s, with %s replicas; now %d replicas)",
+            "resuming from checkpoint %d in %s as generation %s (saved at epoch %s, step %s, with %s replicas; "
+            "now %d replicas)",
             resumed.info.seq,
             store.root,
+            "?" if session.generation is None else session.generation.number,
             meta.get("epoch"),
             meta.get("step"),
             meta.get("replicas"),
@@ -335,12 +392,12 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
         if sharded or not blocking:
             return _saving.save(states, sharded, _checkpoint_store(), lambda: _manifest_info(states, metadata),
                                 blocking=blocking)
-        outcome: tuple[int | None, str | None] = (None, None)
+        outcome: tuple[int | None, Any] = (None, None)
         if env.rank() == 0:
             outcome = _write(states, metadata)
         seq, error = collectives.broadcast_object(outcome)
         if error is not None:
-            raise CheckpointError(error)
+            _saving.raise_failure(error)
         return seq
     finally:
         session.save_count += 1
@@ -370,7 +427,8 @@ def periodic_saves_asynchronous() -> bool:
 
 
 def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest metadata: the caller's, the job's shape, the loaders' steps and the state versions."""
+    """The manifest metadata: the caller's, the job's shape, the loaders' steps, the state versions and the
+    writer's generation."""
     info = dict(metadata or {})
     info.setdefault("replicas", env.num_replicas())
     info.setdefault("nodes", env.num_nodes())
@@ -378,18 +436,19 @@ def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict
     info.setdefault("loader_steps", {state.name[len(prefix):]: int(state.step) for state in states
                                      if state.name.startswith(prefix) and hasattr(state, "step")})
     info["state_versions"] = {state.name: state.version for state in states}
+    if _session().generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
+        info["generation"] = _session().generation.number
     return info
 
 
-def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, str | None]:
-    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, why it failed)."""
+def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, Any]:
+    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, the failure for every rank)."""
     info = _manifest_info(states, metadata)
     start = time.monotonic()
     try:
         saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
-    except Exception as error:  # reported to every replica, which all raise CheckpointError
-        logger.error("checkpoint not saved: %s", error)
-        return None, f"{type(error).__name__}: {error}"
+    except Exception as error:  # reported to every replica, which all raise it (see _saving.failure)
+        return None, _saving.failure(error)
     _saving.report_saved(saved.seq, saved.size, time.monotonic() - start, info)
     return saved.seq, None
 

@@ -21,7 +21,12 @@ every file with its size and SHA-256. The layout makes three promises:
   ``save`` checks up front that a state contains only values that such a
   load accepts, so the store never writes a checkpoint it cannot read.
 
-Only one process (rank 0) may write to a root; any number may read.
+Only one process (rank 0) may write to a root; any number may read. A
+store given a :class:`~adaptive.checkpoint.generation.Generation` publishes
+only while that generation is the newest of the root (guarantee G6, see
+:mod:`.generation`): :meth:`~CheckpointStore.reserve` refuses a stale writer
+before it creates anything, and the rename that publishes happens under the
+generation lock after a last check.
 
 **Sharded states.** A checkpoint may also hold a *sharded part*: one
 ``torch.distributed.checkpoint`` directory ``sharded/`` that every rank
@@ -51,6 +56,7 @@ where tests inject failures).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -64,6 +70,7 @@ from adaptive._utils.checks import check_int
 from adaptive._utils.text import format_bytes
 from adaptive.checkpoint import _disk, _format, _pruning, _safe_load, _writing
 from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo, info_of, verified
+from adaptive.checkpoint.generation import Generation
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointStore", "Reservation"]
 
@@ -99,15 +106,22 @@ class CheckpointStore:
             Files in it that do not look like checkpoints are left alone.
         keep: How many complete checkpoints to keep (at least 1). Older ones
             are deleted after each successful save.
+        generation: The writer's generation in ``root``; when given, nothing
+            is published once a newer generation was taken
+            (:class:`~adaptive.checkpoint.generation.StaleGenerationError`).
 
     Raises:
         TypeError, ValueError: ``keep`` is not an int >= 1.
         CheckpointError: ``root`` exists and is not a directory.
     """
 
-    def __init__(self, root: str | os.PathLike[str], keep: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike[str], keep: int = 2, generation: Generation | None = None) -> None:
         self._keep = check_int("keep", keep, minimum=1, hint=" (the number of checkpoints to retain)")
         self._root = Path(root)
+        if generation is not None and (not isinstance(generation, Generation)
+                                       or os.path.abspath(generation.root) != os.path.abspath(self._root)):
+            raise ValueError(f"generation must be a Generation taken in {self._root}, got {generation!r}")
+        self._generation = generation
         self._check_root()
 
     def __repr__(self) -> str:
@@ -122,6 +136,11 @@ class CheckpointStore:
     def keep(self) -> int:
         """How many complete checkpoints are retained."""
         return self._keep
+
+    @property
+    def generation(self) -> Generation | None:
+        """The writer's generation, if this store is fenced by one."""
+        return self._generation
 
     # ------------------------------------------------------------------ save
 
@@ -163,8 +182,11 @@ class CheckpointStore:
         write its shards into. Finish with :meth:`publish` or :meth:`abandon`.
 
         Raises:
+            StaleGenerationError: a newer generation was taken (nothing is created).
             CheckpointError: the root or the directories cannot be created.
         """
+        if self._generation is not None:
+            self._generation.check()
         self._ensure_root()
         seq = self._next_seq()
         temp = self._root / _format.temp_name()
@@ -215,13 +237,6 @@ class CheckpointStore:
         seq = reservation.seq
         final = self._root / _format.dir_name(seq)
         manifest = self._write_and_publish(reservation, items, meta, final, sharded)
-        try:
-            _disk.fsync_dir(self._root)
-        except OSError as exc:
-            raise CheckpointError(
-                f"checkpoint {seq} was renamed into place but syncing {self._root} failed "
-                f"({exc}); it may not survive a power loss"
-            ) from exc
         info = info_of(manifest, final)
         elapsed = time.perf_counter() - started
         # DEBUG: the job-level INFO line is adaptive.checkpoint.states' "checkpoint N saved (...)"
@@ -259,7 +274,9 @@ class CheckpointStore:
                 _disk.fsync_dir(reservation.sharded_dir)
             _writing.write_manifest(temp, _format.encode_manifest(manifest))  # last: completeness
             _disk.fsync_dir(temp)
-            _publish(temp, final)
+            with self._publishing():
+                _publish(temp, final)
+                _sync_published(self._root, seq)
         except BaseException as exc:
             _discard_temp(temp)
             if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
@@ -334,6 +351,10 @@ class CheckpointStore:
 
     # ------------------------------------------------------------- internals
 
+    def _publishing(self) -> contextlib.AbstractContextManager[None]:
+        """The guard around the rename that publishes: the generation lock and check, if fenced."""
+        return contextlib.nullcontext() if self._generation is None else self._generation.publishing()
+
     def _check_root(self) -> None:
         """Raise if the root exists but is not a directory."""
         if self._root.exists() and not self._root.is_dir():
@@ -402,6 +423,17 @@ def _publish(temp: Path, final: Path) -> None:
                 f"{final.parent}; only one writer (rank 0) per directory is supported"
             ) from exc
         raise
+
+
+def _sync_published(root: Path, seq: int) -> None:
+    """Make the rename that published checkpoint ``seq`` durable."""
+    try:
+        _disk.fsync_dir(root)
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint {seq} was renamed into place but syncing {root} failed "
+            f"({exc}); it may not survive a power loss"
+        ) from exc
 
 
 def _discard_temp(temp: Path) -> None:

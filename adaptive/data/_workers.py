@@ -15,6 +15,8 @@ import os
 import signal
 from typing import Any
 
+from adaptive.elastic.process_tree import bind_to_parent
+
 __all__ = ["ShieldedWorkerInit", "signals_blocked"]
 
 #: Signals that mean "stop the job": the main process handles them, data workers ignore them.
@@ -38,8 +40,10 @@ class ShieldedWorkerInit:
 
     def __init__(self, user_fn: Any) -> None:
         self.user_fn = user_fn
+        self.trainer = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
+        bind_to_parent(self.trainer)  # torch's watchdog polls every 5 s; the kernel acts at once
         os.setpgid(0, 0)
         while signal.sigpending() & _STOP_SIGNALS:  # sent to the trainer's group before we left it
             signal.sigwait(_STOP_SIGNALS)

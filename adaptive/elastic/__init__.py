@@ -4,8 +4,9 @@ The environment torchrun gives (:mod:`.env`), the process groups and
 collectives (:mod:`.collectives`), the stop and checkpoint agreement at step
 boundaries (:mod:`.sync_points`), the restartable epoch loop (:mod:`.epoch`),
 replica-summed metrics that survive restarts (:mod:`.accumulator`), the job
-context that holds a process's job state (:mod:`.job`) and the ``adaptive-run``
-launcher (:mod:`.launcher`).
+context that holds a process's job state (:mod:`.job`), the ``adaptive-run``
+launcher (:mod:`.launcher`), what workers report to it (:mod:`.launch_status`)
+and the processes that end with their incarnation (:mod:`.process_tree`).
 """
 
 from adaptive._utils.lazy import lazy_exports
@@ -23,6 +24,7 @@ _EXPORTS = {
     "stop_requested": "adaptive.elastic.sync_points",
     "GRACEFUL_EXIT_CODE": "adaptive.elastic.sync_points",
     "STOP_FAILED_EXIT_CODE": "adaptive.elastic.sync_points",
+    "STALE_GENERATION_EXIT_CODE": "adaptive.elastic.sync_points",
     "Accumulator": "adaptive.elastic.accumulator",
 }
 

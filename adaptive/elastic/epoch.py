@@ -192,7 +192,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
 
 def _left_early(state: _EpochState, epoch: int) -> None:
     """The epoch loop was left (``break`` or an exception): say what a relaunch will do."""
-    if state.ended or env.rank() != 0:
+    if state.ended or env.rank() != 0 or current_job().agreement.exiting:  # an agreed stop is not a break
         return
     logger.warning("the epoch loop was left in epoch %s of %d without finish_training(); no 'finished' "
                    "checkpoint is written, so a relaunch resumes from the last checkpoint. If this was a "
@@ -206,7 +206,7 @@ def _save_finished(state: _EpochState) -> None:
     finished checkpoint is durable when this returns.
     """
     states.wait_for_pending_save()
-    states.save_all_states(dict(_epoch_metadata(state), reason="finished"))
+    sync_points.save_or_exit(dict(_epoch_metadata(state), reason="finished"))
     what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "%s; checkpointed so that a relaunch trains nothing", what)

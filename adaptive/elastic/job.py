@@ -42,6 +42,9 @@ class CheckpointSession:
     registry: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> State, in creation order
     store: Any = None
     store_root: str | None = None
+    generation: Any = None  # rank 0: the Generation this incarnation took in store_root (adaptive.checkpoint.generation)
+    generation_checked_at: float | None = None  # monotonic, when rank 0 last read the newest generation
+    stale: Any = None  # rank 0: the StaleGenerationError once a newer generation was seen
     resumed: Any = None  # the checkpoint this process resumed from
     resumed_looked_up: bool = False
     last_save_time: float | None = None  # monotonic
@@ -68,6 +71,7 @@ class Agreement:
     countdown: int = 0  # step boundaries left until the next agreement
     agreed_at: float | None = None  # when the last agreement started (monotonic)
     metadata: Callable[[], dict] = dict  # describes the position of the loop in progress
+    exiting: bool = False  # an agreed stop is ending the process (no warning about a loop left early)
 
 
 @dataclasses.dataclass

@@ -18,12 +18,29 @@ The plain torchrun equivalent of ``adaptive-run ARGS`` is::
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun \\
         --rdzv-conf last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3 ARGS
 
+The training script's own arguments (everything after the script or
+module) reach it untouched: unlike plain torchrun on Python 3.11, an option
+of the script that is a prefix of a launcher option (``--n``) is not taken
+for an abbreviation of one (``--nnodes``).
+
 When ``adaptive-run`` itself is stopped (SIGTERM, SIGINT), torchrun forwards
 the signal and the workers checkpoint and exit.  Each worker confirms how its
-stop went in a folder the launcher gives it (``ADAPTIVE_STOP_STATUS_DIR``);
+stop went in a folder the launcher gives it (:mod:`.launch_status`);
 ``adaptive-run`` exits with 143 only when every local worker confirmed a
 durable checkpoint, and otherwise says which did not, and why, and exits
 with 1.
+
+One incarnation at a time (guarantee G6):
+
+* the workers die with ``adaptive-run`` whatever kills it, SIGKILL included,
+  and ``adaptive-run`` dies with the process that started it when that one
+  named itself in ``ADAPTIVE_PARENT_PID`` (the scheduler's backends do); see
+  :mod:`.process_tree`;
+* when a newer incarnation of the job has taken the checkpoint folder, the
+  workers stop and report it (:mod:`adaptive.checkpoint.generation`);
+  ``adaptive-run`` then ends the whole incarnation instead of letting
+  torchrun restart the workers, and exits with
+  :data:`~adaptive.elastic.launch_status.STALE_GENERATION_EXIT_CODE` (3).
 """
 
 from __future__ import annotations
@@ -33,8 +50,10 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 
-from adaptive._utils.files import read_json
+from adaptive.elastic import launch_status, process_tree
 
 __all__ = ["main", "RDZV_DEFAULTS", "build_args"]
 
@@ -42,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 #: Rendezvous settings added unless the user's ``--rdzv-conf`` sets them.
 RDZV_DEFAULTS = {"last_call_timeout": "5", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+#: Seconds between the launcher's looks for a worker's report of a stale generation.
+STALE_POLL = 0.1
 
 
 def _merge_rdzv_conf(user_conf: str) -> str:
@@ -55,30 +76,38 @@ def _merge_rdzv_conf(user_conf: str) -> str:
 
 
 def build_args(argv: list[str]):
-    """torchrun's parsed arguments with our defaults applied."""
-    from torch.distributed.run import parse_args
+    """torchrun's parsed arguments with our defaults applied.
 
-    args = parse_args(argv)
+    Parsed without abbreviations: the script's own options (after the script)
+    are never matched against the launcher's, and launcher options must be
+    spelled out (``--nproc-per-node``, not ``--nproc``).
+    """
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog, parser.allow_abbrev = "adaptive-run", False
+    args = parser.parse_args(argv)
     args.rdzv_conf = _merge_rdzv_conf(args.rdzv_conf or "")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``adaptive-run`` and ``python -m adaptive.elastic.launcher``."""
-    from adaptive.elastic.sync_points import STOP_STATUS_DIR_VAR
-
+    process_tree.bind_to_parent()  # when a backend named itself: die with it
+    os.environ[process_tree.PARENT_PID_VAR] = str(os.getpid())  # the workers, inheriting it, die with us
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = build_args(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import run
 
     status_dir = tempfile.mkdtemp(prefix="adaptive-run-")
-    os.environ[STOP_STATUS_DIR_VAR] = status_dir  # the workers inherit the agent's environment
+    os.environ[launch_status.STATUS_DIR_VAR] = status_dir  # the workers inherit the agent's environment
+    _watch_for_stale_generation(status_dir)
     try:
         run(args)
     except SignalException as stop:
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
-        problems = stop_problems(status_dir, _local_workers(args))
+        problems = launch_status.stop_problems(status_dir, _local_workers(args))
         shutil.rmtree(status_dir, ignore_errors=True)
         if problems:
             logger.error("adaptive-run: stopped by %s, but the stop could not write its checkpoint: %s; the job "
@@ -114,27 +143,27 @@ def _local_workers(args) -> int | None:
         return None
 
 
-def stop_problems(status_dir: str, workers: int | None) -> list[str]:
-    """What went wrong with the local workers' stop, from what they confirmed (empty: all checkpointed)."""
-    found: dict[int, dict] = {}
-    problems = []
-    for entry in sorted(os.listdir(status_dir)):
-        if not (entry.startswith("local-rank-") and entry.endswith(".json")):
-            continue
-        try:
-            record = read_json(os.path.join(status_dir, entry))
-            found[int(entry[len("local-rank-"):-len(".json")])] = record
-        except (OSError, ValueError) as error:
-            problems.append(f"{entry} is unreadable ({error})")
-    for local_rank, record in sorted(found.items()):
-        if not record.get("ok"):
-            problems.append(f"worker {local_rank} (rank {record.get('rank')}): {record.get('reason')}")
-    expected = range(workers) if workers is not None else sorted(found) or [0]
-    missing = [rank for rank in expected if rank not in found]
-    if missing:
-        problems.append(f"worker(s) {', '.join(map(str, missing))} did not confirm a checkpoint (killed before "
-                        "they reached a step boundary, or crashed)")
-    return problems
+def _watch_for_stale_generation(status_dir: str) -> None:
+    """End this incarnation as soon as a worker reports that a newer generation fenced it.
+
+    torchrun would restart the failed workers as a new round, and that round
+    would take a generation newer still and fence the incarnation that
+    rightly runs: the job would pass from one to the other at every
+    checkpoint. Instead every process under the launcher is killed and it
+    exits with the stale-generation status.
+    """
+    def watch() -> None:
+        while True:
+            report = launch_status.stale_report(status_dir)
+            if report is not None:
+                break
+            time.sleep(STALE_POLL)
+        logger.error("adaptive-run: %s", report.get("message", "a newer generation of this job took over"))
+        process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
+        shutil.rmtree(status_dir, ignore_errors=True)
+        _exit_now(launch_status.STALE_GENERATION_EXIT_CODE)
+
+    threading.Thread(target=watch, name="adaptive-run-stale-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

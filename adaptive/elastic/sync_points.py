@@ -36,26 +36,31 @@ written the process says why and exits with code 1, and ``adaptive-run``
 reports the failure instead of a clean stop.  A second SIGINT interrupts at
 once.  If a peer died, the agreement itself fails: this replica then exits
 at once *without* writing, so the last complete checkpoint stays the newest.
+
+Every agreement also carries rank 0's view of the job's generation (see
+:mod:`adaptive.checkpoint.generation`): once a newer incarnation has taken
+the checkpoint folder, every replica of this one stops at the same
+boundary, writes nothing, tells ``adaptive-run`` (which ends the whole
+incarnation) and exits with :data:`STALE_GENERATION_EXIT_CODE`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
 from typing import Any, Callable
 
 from adaptive.checkpoint import states
-from adaptive.elastic import collectives
-from adaptive.elastic import env
-from adaptive._utils.files import write_json_atomic
+from adaptive.checkpoint.generation import StaleGenerationError
+from adaptive.elastic import collectives, env, launch_status
 from adaptive.elastic.job import Agreement, Job, current_job, on_reset
 
 __all__ = [
     "GRACEFUL_EXIT_CODE",
     "STOP_FAILED_EXIT_CODE",
+    "STALE_GENERATION_EXIT_CODE",
     "install_signal_handlers",
     "request_stop",
     "stop_requested",
@@ -71,17 +76,18 @@ logger = logging.getLogger(__name__)
 GRACEFUL_EXIT_CODE = 143
 #: Exit status when a stop was asked for but its checkpoint could not be written.
 STOP_FAILED_EXIT_CODE = 1
-#: Environment variable naming the folder where workers confirm their stop to ``adaptive-run``.
-STOP_STATUS_DIR_VAR = "ADAPTIVE_STOP_STATUS_DIR"
+#: Exit status of an incarnation that a newer generation of the job fenced off.
+STALE_GENERATION_EXIT_CODE = launch_status.STALE_GENERATION_EXIT_CODE
 
 #: Seconds between agreements with several replicas (at least one step apart).
 AGREEMENT_INTERVAL = 0.1
 #: The most step boundaries between two agreements.
 MAX_SPACING = 1000
 
-# Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, and the
-# resumed checkpoint's sequence number and its negation (max and -min: all must be equal).
-_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ = range(5)
+# Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, the resumed
+# checkpoint's sequence number and its negation (max and -min: all must be equal), and rank 0's
+# generation and the newer one that fenced it (0 on the other ranks, and when not fenced).
+_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER = range(7)
 
 
 def _agreement() -> Agreement:
@@ -144,7 +150,18 @@ def _proposed_spacing() -> int:
 def _local_flags() -> list[float]:
     # The max over replicas of minus the spacing is minus the smallest spacing proposed.
     seq = float(states.resumed_seq())
-    return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq]
+    generation, newer = _generation_flags()
+    return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq,
+            generation, newer]
+
+
+def _generation_flags() -> tuple[float, float]:
+    """Rank 0's generation and, once it is stale, the newer one (checked at most every second)."""
+    stale = states.stale_generation()
+    if stale is not None:
+        return float(stale.mine), float(stale.newest_number or stale.mine + 1)
+    generation = states.generation()
+    return (0.0 if generation is None else float(generation.number)), 0.0
 
 
 def _issue() -> tuple[Any, int]:
@@ -170,6 +187,8 @@ def _settle(pending: tuple[Any, int]) -> list[float]:
             f"{-agreed[_NEG_SEQ]:.0f} to {agreed[_SEQ]:.0f}; -1 is none): every node must see the same "
             f"ADAPTIVE_CHECKPOINT_PATH ({env.checkpoint_path()}) on shared storage"
         )
+    if agreed[_NEWER] > 0:
+        _exit_stale(int(agreed[_GENERATION]), int(agreed[_NEWER]))
     decided = _agreement().decided
     decided[0] = max(decided[0], agreed[_STOP])
     if saves_then == states.save_count():  # a flag raised before the last save is already served
@@ -184,11 +203,29 @@ def _act(metadata: Callable[[], dict]) -> None:
     if stop > 0:
         _stop(dict(metadata(), reason="stop"))
     if due > 0:
-        info = dict(metadata(), reason="periodic")
-        if states.periodic_saves_asynchronous():  # ADAPTIVE_ASYNC_CHECKPOINT
-            states.save_all_states(info, blocking=False)
-        else:
-            states.save_all_states(info)
+        save_or_exit(dict(metadata(), reason="periodic"),
+                     blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT
+
+
+def save_or_exit(info: dict, *, blocking: bool = True) -> int:
+    """The library's own saves: :func:`~adaptive.checkpoint.states.save_all_states`, and if a newer
+    generation fenced this incarnation, the agreed stop of a stale incarnation instead of an error."""
+    try:
+        return states.save_all_states(info, blocking=blocking)
+    except StaleGenerationError as error:
+        _exit_stale(error.mine, error.newest_number or error.mine + 1)
+        raise  # not reached
+
+
+def _exit_stale(mine: int, newest: int) -> None:
+    """Stop this stale incarnation: say so once per rank, tell adaptive-run, write nothing, exit."""
+    message = (f"generation {mine} of this job is stale: generation {newest} took over the checkpoint folder "
+               f"{env.checkpoint_path()} (a relaunch, or the same job launched twice); this incarnation "
+               f"publishes nothing and exits with {STALE_GENERATION_EXIT_CODE}")
+    logger.error("%s", message)
+    launch_status.report_stale(mine, newest, message)
+    _agreement().exiting = True
+    raise SystemExit(STALE_GENERATION_EXIT_CODE)
 
 
 def _stop(info: dict) -> None:
@@ -199,47 +236,20 @@ def _stop(info: dict) -> None:
     """
     states.wait_for_pending_save()
     try:
-        seq = states.save_all_states(info)
+        seq = save_or_exit(info)
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"
         logger.error("the stop could not write its checkpoint (%s); the job will resume from the last complete "
                      "checkpoint in %s; exiting with %d", reason, env.checkpoint_path(), STOP_FAILED_EXIT_CODE)
-        _write_stop_status(ok=False, reason=reason)
+        launch_status.confirm_stop(ok=False, reason=reason)
+        _agreement().exiting = True
         raise SystemExit(STOP_FAILED_EXIT_CODE) from error
-    _write_stop_status(ok=True, seq=seq)
+    launch_status.confirm_stop(ok=True, seq=seq)
+    _agreement().exiting = True
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "stopped gracefully at epoch %s, step %s (checkpoint %s); exiting with %d",
                info.get("epoch"), info.get("step"), seq, GRACEFUL_EXIT_CODE)
     raise SystemExit(GRACEFUL_EXIT_CODE)
-
-
-def _stop_status_file() -> str | None:
-    folder = os.environ.get(STOP_STATUS_DIR_VAR)
-    return None if not folder else os.path.join(folder, f"local-rank-{env.local_rank()}.json")
-
-
-def _forget_stop_status() -> None:
-    """A new worker clears what an earlier one on this local rank confirmed."""
-    path = _stop_status_file()
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as error:
-            logger.debug("could not remove %s: %s", path, error)
-
-
-def _write_stop_status(**status: Any) -> None:
-    """Tell ``adaptive-run`` (when it launched us) how this worker's stop went."""
-    path = _stop_status_file()
-    if path is None:
-        return
-    record = dict(status, rank=env.rank(), pid=os.getpid(), time=time.time())
-    try:
-        write_json_atomic(path, record)
-    except OSError as error:
-        logger.warning("could not confirm the stop to adaptive-run (%s): %s", path, error)
 
 
 def last_position() -> dict:
@@ -319,4 +329,4 @@ on_reset(_restore_signal_handlers)
 
 # A worker that adaptive-run starts forgets, first thing, what an earlier worker on its local
 # rank confirmed: a confirmation in that folder is then always this worker's own.
-_forget_stop_status()
+launch_status.forget_stop()

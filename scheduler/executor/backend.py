@@ -10,6 +10,7 @@ executor or the policy.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +57,10 @@ class Backend(abc.ABC):
     def kill(self, handle: Any) -> None:
         """Force the incarnation to end (after a graceful stop timed out)."""
 
+    def log_tail(self, handle: Any, lines: int = 20) -> str:
+        """The last ``lines`` lines of the incarnation's log(s), to report why it failed ("" if none are kept)."""
+        return ""
+
     def alive_nodes(self) -> Sequence[int] | None:
         """Indices of the nodes that can run replicas now, or ``None`` for "all, always".
 
@@ -64,6 +69,19 @@ class Backend(abc.ABC):
         allocates only alive ones. The local backend keeps the default.
         """
         return None
+
+
+def read_tail(path: str, lines: int = 20, max_bytes: int = 64 << 10) -> str:
+    """The last ``lines`` lines of the text file at ``path`` (at most ``max_bytes`` read); empty if unreadable."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            size = file.tell()
+            file.seek(max(0, size - max_bytes))
+            data = file.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
 
 
 def exit_status(returncode: int) -> int:

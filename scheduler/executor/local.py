@@ -8,8 +8,13 @@ A job with ``N`` replicas runs as::
 ``ADAPTIVE_JOB_ID``, ``ADAPTIVE_CHECKPOINT_PATH`` and ``ADAPTIVE_SHARE_PATH``
 set, output appended to ``<log_dir>/<job>/attempt-<k>.log``. A graceful stop
 is SIGTERM to the process group (jobs checkpoint and exit with 143); a kill
-is SIGKILL to the group. With ``cuda=True`` the job's slots become its
-``CUDA_VISIBLE_DEVICES``.
+is SIGKILL to the launcher and every process below it (torchrun's workers
+run in sessions of their own, out of the group's reach). The launcher is
+bound to the process that launched it (:mod:`adaptive.elastic.process_tree`):
+if the executor dies, even by SIGKILL, its incarnations die with it, and the
+next executor relaunches them (call :meth:`LocalBackend.launch` from a thread
+that lives as long as the executor: the main thread, as the CLI does). With
+``cuda=True`` the job's slots become its ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.executor.backend import Assignment, Backend, exit_status
+import psutil
+
+from adaptive.elastic import process_tree
+from scheduler.executor.backend import Assignment, Backend, exit_status, read_tail
 from scheduler.executor.jobspec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -63,7 +71,7 @@ class LocalBackend(Backend):
         if len(set(assignment.nodes)) != 1:
             raise ValueError(f"the local backend runs on one node; got nodes {sorted(set(assignment.nodes))}")
         num_replicas = assignment.num_replicas
-        env = dict(os.environ)
+        env = process_tree.child_environment()
         env.update(spec.env)
         env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
                     "ADAPTIVE_SHARE_PATH": spec.share_dir})
@@ -88,7 +96,17 @@ class LocalBackend(Backend):
         self._signal(handle, signal.SIGTERM)
 
     def kill(self, handle: LocalHandle) -> None:
+        below = process_tree.descendants(handle.pid)  # read first: the group kill orphans them
         self._signal(handle, signal.SIGKILL)
+        for process in below:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def log_tail(self, handle: LocalHandle, lines: int = 20) -> str:
+        """The last ``lines`` lines of the incarnation's log (empty if it cannot be read)."""
+        return read_tail(handle.log_path, lines)
 
     @staticmethod
     def _signal(handle: LocalHandle, sig: signal.Signals) -> None:

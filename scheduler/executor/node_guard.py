@@ -1,4 +1,4 @@
-"""Runs one node's launcher so that it cannot outlive the process that started it.
+"""Runs one node's launcher so that nothing it starts can outlive the process that started it.
 
     python -m scheduler.executor.node_guard --parent PID -- COMMAND...
 
@@ -6,34 +6,41 @@ The Ray backend's node actor starts this guard as the leader of a new
 session; the guard starts ``COMMAND`` (the elastic launcher) in the same
 process group and exits with its exit status (``128 + N`` if signal ``N``
 ended it). Signals for the whole incarnation go to that group: SIGTERM (a
-graceful stop) reaches the launcher and its workers while the guard itself
-only waits; SIGKILL ends everything.
+graceful stop) reaches the launcher, which forwards it to its workers, while
+the guard itself only waits.
 
-If the parent (the actor) dies, for example because its Ray node was removed,
-the guard kills its process group, so no training process is left behind.
-It watches the parent with ``prctl(PR_SET_PDEATHSIG)`` *and* by polling
-``getppid()``: the death signal fires when the parent's *thread* that forked
-the guard exits, which in an actor may be a worker thread, so the guard only
-acts on it after checking that the parent is really gone.
+Every process below the guard ends with it, by three mechanisms that do not
+depend on any one process getting to run cleanup code:
+
+* the launcher, its workers and their DataLoader workers are each bound to
+  their parent by a kernel death signal (:mod:`adaptive.elastic.process_tree`):
+  when Ray SIGKILLs the actor and the guard (as it does when a node is
+  removed), the launcher gets SIGKILL, then its workers, then theirs;
+* the guard adopts every orphaned descendant (``PR_SET_CHILD_SUBREAPER``) and,
+  when the launcher exits for any reason, kills whatever is left below it;
+* if the actor dies and the guard survives, the guard kills every
+  descendant and exits. It watches the actor with ``PR_SET_PDEATHSIG`` *and*
+  by polling ``getppid()``: the death signal fires when the actor's *thread*
+  that forked the guard exits, which may be a worker thread, so the guard
+  acts on it only after checking that the actor is really gone.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 
+from adaptive.elastic import process_tree
 from scheduler.executor.backend import exit_status
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between checks that the parent is still alive.
 PARENT_POLL = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 def _parent_gone(parent: int) -> bool:
@@ -41,18 +48,10 @@ def _parent_gone(parent: int) -> bool:
 
 
 def _kill_group_and_exit() -> None:
-    logger.error("node_guard: the parent process is gone; killing process group %d", os.getpgrp())
+    logger.error("node_guard: the parent process is gone; killing every process below pid %d", os.getpid())
+    process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
     os.killpg(os.getpgrp(), signal.SIGKILL)  # includes this process
     os._exit(137)  # pragma: no cover - not reached
-
-
-def _set_death_signal(sig: signal.Signals) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            logger.warning("node_guard: prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
-    except (OSError, AttributeError) as exc:  # not Linux: polling alone
-        logger.warning("node_guard: no prctl (%s); watching the parent by polling only", exc)
 
 
 def run(parent: int, command: list[str]) -> int:
@@ -62,12 +61,13 @@ def run(parent: int, command: list[str]) -> int:
             _kill_group_and_exit()
 
     signal.signal(signal.SIGUSR1, on_parent_signal)
-    _set_death_signal(signal.SIGUSR1)
+    process_tree.set_death_signal(signal.SIGUSR1)
     if _parent_gone(parent):  # died before the death signal was armed
         _kill_group_and_exit()
     signal.signal(signal.SIGTERM, lambda *_: None)  # the launcher in our group gets it too; we keep waiting
     signal.signal(signal.SIGINT, lambda *_: None)
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    process_tree.become_subreaper()
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=process_tree.child_environment())
     while True:
         try:
             code = child.wait(timeout=PARENT_POLL)
@@ -75,6 +75,11 @@ def run(parent: int, command: list[str]) -> int:
         except subprocess.TimeoutExpired:
             if _parent_gone(parent):
                 _kill_group_and_exit()
+    left = process_tree.descendants(os.getpid())
+    if left:  # orphans adopted from the launcher's tree: they end with it
+        logger.warning("node_guard: the launcher exited (%d); killing %d process(es) left below it: %s", code,
+                       len(left), [p.pid for p in left])
+        process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
     return exit_status(code)
 
 

@@ -4,9 +4,10 @@ One :class:`NodeLauncher` per node of an assignment, placed in that node's
 placement-group bundle so it holds the node's slots (and, with GPUs, Ray
 tells it which devices they are). It starts
 ``python -m scheduler.executor.node_guard --parent <its pid> -- <launcher>``
-as a new session, so that the guard, the elastic launcher and the training
-workers form one process group that it signals as a whole, and that dies
-with the actor (see :mod:`scheduler.executor.node_guard`).
+as a new session: the guard and the elastic launcher form one process group
+that it signals as a whole, and everything below the guard (the launcher,
+the training workers, their DataLoader workers) dies with the actor (see
+:mod:`scheduler.executor.node_guard`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import socket
 import subprocess
 import sys
 
+import psutil
+
+from adaptive.elastic import process_tree
 from scheduler.executor.backend import exit_status
 from scheduler.executor.ray_import import import_ray
 
@@ -65,11 +69,19 @@ class NodeLauncher:
         return None if code is None else exit_status(code)
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to the whole process group (guard, launcher, workers)."""
+        """Send ``signum`` to the guard's process group (guard and launcher; the launcher forwards a stop
+        to its workers); SIGKILL goes to every process below the guard as well, read before any dies."""
         if self._process is None:
             return
+        below = process_tree.descendants(self._process.pid) if signum == signal.SIGKILL else []
         try:
             os.killpg(self._process.pid, signum)
         except (ProcessLookupError, PermissionError):
-            return
-        logger.info("sent %s to process group %d", signal.Signals(signum).name, self._process.pid)
+            pass
+        for process in below:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        logger.info("sent %s to process group %d%s", signal.Signals(signum).name, self._process.pid,
+                    f" and {len(below)} process(es) below it" if below else "")

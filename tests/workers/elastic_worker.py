@@ -7,6 +7,7 @@ Environment knobs (all optional):
     WORKER_EPOCHS       epochs to train (default 3)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
     WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
+    WORKER_LOADER_WORKERS  DataLoader worker processes per rank (default 0)
     WORKER_GATE         a path: from epoch WORKER_GATE_EPOCH (default 0) on, each step waits until it
                         exists (or a stop is requested), so a test can order two jobs' progress
 
@@ -38,6 +39,7 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
 GATE = os.environ.get("WORKER_GATE")
+LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 GATE_EPOCH = int(os.environ.get("WORKER_GATE_EPOCH", "0"))
 
 logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
@@ -59,7 +61,8 @@ def main():
     model = StepCountingLinear(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
-    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7)
+    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
+                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
     record_resume(OUT, rank, world, model, optimizer, loader)
     if AUTOSCALE:
         max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
