@@ -11,8 +11,8 @@ from the worker's files and the executor's state (polled every 20 ms):
 * ``first_step``: resumed -> rank 0 reports its first step on the new world size.
 
 Backends: ``local`` (1 -> 2 replicas on this machine) and ``ray`` (a
-2-node ``ray.cluster_utils.Cluster`` on this machine, node 0 -> nodes 0 and
-1, one replica each), same worker, same machine.
+2-node ``ray.cluster_utils.Cluster`` on this machine, bound to 127.0.0.1,
+node 0 -> nodes 0 and 1, one replica each), same worker, same machine.
 
     python benchmarks/bench_rescale_latency.py [--trials 3] [--backends local,ray] [--json PATH]
 """
@@ -21,11 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# Ray replaces 127.0.0.1 by this machine's network address when it connects, unless its single-machine
+# switch is off: with it, the driver, every node and the rendezvous stay on the loopback interface.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -113,11 +118,11 @@ def run_backend(name: str, trials: int, root: Path) -> list[dict]:
     from scheduler.executor.ray_backend import RayBackend
     from scheduler.executor.ray_pool import RayPool
 
-    node = {"num_cpus": 1, "resources": {"slot": 2}}
+    node = {"num_cpus": 1, "resources": {"slot": 2}, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     cluster.add_node(**node)
     cluster.wait_for_nodes(timeout=120)
-    ray.init(address=cluster.address, logging_level="WARNING")
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
         pool = RayPool("slot", refresh=0.5)
         for i in range(trials):

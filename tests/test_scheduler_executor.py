@@ -1,6 +1,7 @@
 """Executor logic with a fake backend, the local process backend, job specs and the CLI spool."""
 
 import json
+import logging
 import os
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from scheduler.cluster import ClusterSpec, make_allocation
 from scheduler.executor import (Assignment, Backend, Executor, JobSpec, JobState, LocalBackend, Spool,
                                 load_job_spec)
 from scheduler.executor.__main__ import main as executor_main
+from scheduler.executor.executor import LOST_NODE_EXIT
 from scheduler.policies import TiresiasPolicy
 from scheduler.policies.base import Policy
 from scheduler.supervisor.state import SupervisorState
@@ -192,6 +194,203 @@ def test_hints_files_are_read_into_the_state(tmp_path):
     os.utime(job.hints_paths[0], (time.time() + 5, time.time() + 5))
     ex.step()  # invalid hints are ignored with a warning; the old ones stay
     assert ex.state.job("a").hints["progress"] == 12.5
+
+
+# ------------------------------------------------------ nodes that come and go
+class ScriptedPolicy(Policy):
+    """Test policy: the allocations ``plan(active job names, number of nodes)`` dictates."""
+
+    name = "scripted"
+    adaptive = False
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def optimize(self, jobs, cluster, current, now):
+        plan = self.plan(set(jobs), cluster.num_nodes)
+        return {name: make_allocation(plan[name]) for name in jobs if name in plan}
+
+
+class NodeHandle:
+    def __init__(self, name, assignment):
+        self.name, self.assignment, self.code, self.stopping = name, assignment, None, False
+
+
+class NodesBackend(Backend):
+    """A backend over nodes 0..2 that reports which are alive, as the Ray backend's pool does.
+
+    ``fail_on_poll[name] = node`` makes the next poll of that job's incarnation end it with
+    LOST_NODE_EXIT and take ``node`` out of the alive nodes *during* that poll, as the Ray backend
+    does when a node's actor stops answering (the node becomes suspect).
+    """
+
+    def __init__(self):
+        self.alive, self.launched, self.killed, self.fail_on_poll = [0, 1, 2], [], [], {}
+
+    def launch(self, spec, assignment, attempt):
+        self.launched.append((spec.name, assignment.nodes, attempt))
+        return NodeHandle(spec.name, assignment)
+
+    def poll(self, handle):
+        node = self.fail_on_poll.pop(handle.name, None)
+        if node is not None:
+            self.alive = [n for n in self.alive if n != node]
+            handle.code = LOST_NODE_EXIT
+        return 143 if handle.stopping and handle.code is None else handle.code
+
+    def stop(self, handle):
+        handle.stopping = True
+
+    def kill(self, handle):
+        self.killed.append(handle.assignment.nodes)
+        handle.code = 137
+
+    def alive_nodes(self):
+        return self.alive
+
+
+def nodes_executor(tmp_path, backend, plan, names=("a", "b"), **spec_kw):
+    clock = Clock()
+    ex = Executor(backend, ScriptedPolicy(plan), ClusterSpec(3, 2), interval=600, grace_period=30, clock=clock)
+    for name in names:
+        ex.submit(JobSpec(name=name, command=("t.py",), checkpoint_dir=str(tmp_path / name), max_replicas=2,
+                          **spec_kw))
+    return ex, clock
+
+
+def test_executor_drops_a_lost_node_and_maps_the_policy_onto_the_alive_ones(tmp_path):
+    backend = NodesBackend()
+    seen = []
+
+    def plan(jobs, num_nodes):
+        seen.append(num_nodes)
+        return {"a": (0, 1), "b": (2, 2)} if num_nodes == 3 else {"a": (0, 1), "b": (1,)}
+
+    ex, _ = nodes_executor(tmp_path, backend, plan)
+    ex.step()
+    assert sorted(backend.launched) == [("a", (0, 1), 1), ("b", (2, 2), 1)]
+    backend.alive = [0, 2]  # node 1 is lost: a (on nodes 0, 1) is killed; the policy now sees 2 nodes
+    ex.step()
+    assert backend.killed == [(0, 1)] and seen[-1] == 2
+    # the kill was the lost node's doing: an infrastructure failure, relaunched at once, not charged
+    assert ex.jobs["a"].failures == 0 and ex.jobs["a"].infra_failures == 1
+    assert ex.jobs["b"].state is JobState.STOPPING  # policy node 1 is real node 2: b shrinks to (2,)
+    ex.step()  # policy nodes (0, 1) are real nodes (0, 2); no back-off for a
+    assert sorted(backend.launched[2:]) == [("a", (0, 2), 2), ("b", (2,), 2)]
+    assert {s["name"]: s["placement"] for s in ex.status()} == {"a": [0, 2], "b": [2]}
+    assert {s["name"]: (s["failures"], s["infra_failures"]) for s in ex.status()} == {"a": (0, 1), "b": (0, 0)}
+
+
+def test_a_node_the_backend_saw_fail_is_not_used_for_the_relaunch(tmp_path):
+    """The Ray case of the issue: the backend sees the node's actor fail before Ray marks the node dead.
+    The relaunch, in the same step, goes to the nodes left: one launch after the loss, not two."""
+    backend = NodesBackend()
+    ex, _ = nodes_executor(tmp_path, backend, lambda jobs, n: {"a": (0, 1)}, names=("a",), max_failures=0)
+    ex.step()
+    assert backend.launched == [("a", (0, 1), 1)]
+    backend.fail_on_poll["a"] = 1  # its node 1 stops answering: the incarnation ends, node 1 is left out
+    ex.step()
+    assert backend.launched[1:] == [("a", (0, 2), 2)]  # policy nodes (0, 1) are now real nodes (0, 2)
+    job = ex.jobs["a"]
+    assert job.state is JobState.RUNNING and job.failures == 0 and job.infra_failures == 1
+    assert job.last_exit == LOST_NODE_EXIT and job.last_error is None
+    backend.alive = [0, 1, 2]  # a probe answered: node 1 is usable again (a keeps running where it is)
+    ex.step()
+    assert len(backend.launched) == 2 and backend.killed == []
+
+
+def test_infrastructure_failures_are_not_charged_to_max_failures(tmp_path):
+    backend = NodesBackend()
+    ex, _ = nodes_executor(tmp_path, backend, lambda jobs, n: {"a": (0,)}, names=("a",), max_failures=0)
+    ex.step()
+    for lost in (1, 2):  # the node it runs on is lost, twice: each time it goes on at once on the next node
+        backend.fail_on_poll["a"] = lost - 1
+        ex.step()
+        assert ex.jobs["a"].state is JobState.RUNNING, ex.status()
+        assert (ex.jobs["a"].failures, ex.jobs["a"].infra_failures) == (0, lost)
+    assert backend.launched == [("a", (0,), 1), ("a", (1,), 2), ("a", (2,), 3)]
+    ex.jobs["a"].handle.code = 1  # a crash of its own: max_failures=0, so it fails now
+    ex.step()
+    assert ex.jobs["a"].state is JobState.FAILED and ex.status()[0]["failures"] == 1
+
+
+class TailBackend(FakeBackend):
+    """A fake backend that can read its incarnations' output, like the local and Ray backends."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def log_tail(self, handle, lines=20):
+        return "\n".join(self.output.splitlines()[-lines:])
+
+
+def test_a_crash_keeps_the_end_of_its_output_and_logs_it_once(tmp_path, caplog, capsys):
+    output = "Traceback (most recent call last):\n  File \"train.py\", line 1\nNameError: name 'modle' is not defined"
+    backend = TailBackend("lots of noise\n" * 30 + output)
+    ex, clock = make_executor(backend, slots=1)
+    ex.submit(spec("a", tmp_path, max_replicas=1, max_failures=3))
+    caplog.set_level(logging.WARNING, logger="scheduler.executor.executor")
+    ex.step()
+    for _ in range(4):
+        handle_of(ex, "a").exit_code = 1
+        ex.step()
+        clock.now += 60
+        ex.step()
+    job = ex.jobs["a"]
+    assert job.state is JobState.FAILED and job.failures == 4
+    (status,) = ex.status()
+    assert status["last_error"].endswith("NameError: name 'modle' is not defined")
+    assert len(status["last_error"].splitlines()) == 20
+    with_tail = [r for r in caplog.records if "NameError" in r.getMessage()]
+    assert [r.levelname for r in with_tail] == ["WARNING", "ERROR"], [r.getMessage() for r in caplog.records]
+    assert "failure 1 of 3" in with_tail[0].getMessage() and "giving up" in with_tail[1].getMessage()
+    repeats = [r.getMessage() for r in caplog.records if "same output as the previous failure" in r.getMessage()]
+    assert len(repeats) == 2 and all("\n" not in m for m in repeats)
+    backend.output = "a different error"  # a new output is shown again
+    ex2, _ = make_executor(backend, slots=1)
+    ex2.submit(spec("b", tmp_path, max_replicas=1, max_failures=0))
+    ex2.step()
+    handle_of(ex2, "b").exit_code = 2
+    ex2.step()
+    assert ex2.status()[0]["last_error"] == "a different error"
+    spool = Spool(str(tmp_path / "work"))
+    spool.write_status(ex.status() + ex2.status(), slots=1)
+    assert executor_main(["status", "--workdir", str(tmp_path / "work")]) == 0
+    out = capsys.readouterr().out
+    assert "last exit 1; its output ended with:" in out and "      NameError: name 'modle'" in out
+    assert out.splitlines()[-1] == "      a different error"
+
+
+def test_a_backend_without_log_tail_still_reports_failures(tmp_path):
+    backend = FakeBackend()
+    ex, _ = make_executor(backend, slots=1)
+    ex.submit(spec("a", tmp_path, max_replicas=1, max_failures=0))
+    ex.step()
+    handle_of(ex, "a").exit_code = 2
+    ex.step()
+    assert ex.jobs["a"].state is JobState.FAILED and ex.status()[0]["last_error"] is None
+
+
+def test_status_command_shows_nodes_placements_and_infrastructure_failures(tmp_path, capsys):
+    spool = Spool(str(tmp_path / "work"))
+    spool.write_status([{"name": "j1", "state": "running", "replicas": 3, "target_replicas": 3, "restarts": 1,
+                         "failures": 0, "infra_failures": 1, "progress": 2.0, "placement": [0, 1, 1]}],
+                       slots=4, backend="ray",
+                       nodes=[{"index": 0, "node_id": "a" * 40, "address": "10.0.0.1", "slots": 2, "alive": True,
+                               "state": "alive"},
+                              {"index": 1, "node_id": "b" * 40, "address": "10.0.0.2", "slots": 2, "alive": True,
+                               "state": "suspect"},
+                              {"index": 2, "node_id": "c" * 40, "address": "10.0.0.3", "slots": 2,
+                               "alive": False}])
+    assert executor_main(["status", "--workdir", str(tmp_path / "work")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("node 0") and "alive" in lines[0] and "10.0.0.1" in lines[0]
+    assert lines[1].startswith("node 1") and "SUSPECT" in lines[1]
+    assert lines[2].startswith("node 2") and "LOST" in lines[2]
+    assert "infra" in lines[3]
+    assert lines[-1].startswith("j1") and lines[-1].endswith("0,1,1")
+    assert lines[-1].split()[5:7] == ["0", "1"]  # failures, infra failures
 
 
 # ------------------------------------------------------------------ job specs

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args)
     except SignalException as stop:
+        _end_if_stale(status_dir)
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
         problems = launch_status.stop_problems(status_dir, _local_workers(args))
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("adaptive-run: stopped by %s; every worker checkpointed; relaunch the same command "
                        "to resume", stop.sigval.name)
         _exit_now(128 + int(stop.sigval))
+    except Exception:
+        _end_if_stale(status_dir)  # the workers failed because a newer generation fenced them: say that
+        raise
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
 
@@ -154,16 +158,25 @@ def _watch_for_stale_generation(status_dir: str) -> None:
     """
     def watch() -> None:
         while True:
-            report = launch_status.stale_report(status_dir)
-            if report is not None:
-                break
+            _end_if_stale(status_dir)
             time.sleep(STALE_POLL)
-        logger.error("adaptive-run: %s", report.get("message", "a newer generation of this job took over"))
-        process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
-        shutil.rmtree(status_dir, ignore_errors=True)
-        _exit_now(launch_status.STALE_GENERATION_EXIT_CODE)
 
     threading.Thread(target=watch, name="adaptive-run-stale-watch", daemon=True).start()
+
+
+_ending = threading.Lock()
+
+
+def _end_if_stale(status_dir: str) -> None:
+    """If a worker reported a stale generation: kill every process below, say why once, exit 3."""
+    report = launch_status.stale_report(status_dir)
+    if report is None:
+        return
+    _ending.acquire()  # a second caller waits here for the first one to exit the process
+    logger.error("adaptive-run: %s", report.get("message", "a newer generation of this job took over"))
+    process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
+    shutil.rmtree(status_dir, ignore_errors=True)
+    _exit_now(launch_status.STALE_GENERATION_EXIT_CODE)
 
 
 if __name__ == "__main__":

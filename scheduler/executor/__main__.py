@@ -94,16 +94,26 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps({"jobs": jobs, **extra}, indent=2))
         return 0
     for node in extra.get("nodes", []):
-        print(f"node {node['index']:<3} {'alive' if node['alive'] else 'LOST':5} {node['slots']} slot(s)  "
+        print(f"node {node['index']:<3} {_node_state(node):7} {node['slots']} slot(s)  "
               f"{node['address']}  {node['node_id'][:16]}")
-    print(f"{'job':24} {'state':10} {'replicas':>8} {'target':>6} {'restarts':>8} {'failures':>8} progress  "
-          f"placement (node per replica)")
+    print(f"{'job':24} {'state':10} {'replicas':>8} {'target':>6} {'restarts':>8} {'failures':>8} {'infra':>5} "
+          f"progress  placement (node per replica)")
     for job in jobs:
         progress = "-" if job.get("progress") is None else f"{job['progress']:.1f}"
         placement = ",".join(str(n) for n in job.get("placement", [])) or "-"
         print(f"{job['name']:24} {job['state']:10} {job['replicas']:>8} {job['target_replicas']:>6} "
-              f"{job['restarts']:>8} {job['failures']:>8} {progress:8}  {placement}")
+              f"{job['restarts']:>8} {job['failures']:>8} {job.get('infra_failures', 0):>5} {progress:8}  "
+              f"{placement}")
+        if job["state"] == JobState.FAILED.value and job.get("last_error"):
+            print(f"    last exit {job.get('last_exit')}; its output ended with:")
+            print("\n".join(f"      {line}" for line in job["last_error"].splitlines()))
     return 0
+
+
+def _node_state(node: dict[str, Any]) -> str:
+    """alive, SUSPECT (an actor there failed; waiting for a probe) or LOST (Ray reports it dead)."""
+    state = node.get("state") or ("alive" if node["alive"] else "lost")
+    return state if state == "alive" else state.upper()
 
 
 def _parser() -> argparse.ArgumentParser:

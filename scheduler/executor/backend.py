@@ -18,6 +18,14 @@ from typing import Any
 from scheduler.executor.jobspec import JobSpec
 
 
+#: Exit status of an incarnation that a lost node (or its lost actor) ended: an infrastructure failure.
+LOST_NODE_EXIT = 75
+#: Exit status of an incarnation that could not be started (no placement in time, actor errors): a crash.
+LAUNCH_FAILED_EXIT = 70
+#: Characters kept of each line of an incarnation's output in :func:`read_tail`.
+MAX_LINE = 400
+
+
 @dataclass(frozen=True)
 class Assignment:
     """Where one incarnation runs: per replica, its node and device on that node."""
@@ -58,8 +66,12 @@ class Backend(abc.ABC):
         """Force the incarnation to end (after a graceful stop timed out)."""
 
     def log_tail(self, handle: Any, lines: int = 20) -> str:
-        """The last ``lines`` lines of the incarnation's log(s), to report why it failed ("" if none are kept)."""
+        """The last ``lines`` lines of the incarnation's output ("" if none is kept); read after it ended,
+        to report why it failed."""
         return ""
+
+    def close(self) -> None:
+        """Release what ended incarnations still hold; called once, by :meth:`Executor.shutdown`."""
 
     def alive_nodes(self) -> Sequence[int] | None:
         """Indices of the nodes that can run replicas now, or ``None`` for "all, always".
@@ -72,7 +84,8 @@ class Backend(abc.ABC):
 
 
 def read_tail(path: str, lines: int = 20, max_bytes: int = 64 << 10) -> str:
-    """The last ``lines`` lines of the text file at ``path`` (at most ``max_bytes`` read); empty if unreadable."""
+    """The last ``lines`` lines of the text file at ``path`` (at most ``max_bytes`` read, each line cut to
+    :data:`MAX_LINE` characters); "" if it cannot be read."""
     try:
         with open(path, "rb") as file:
             file.seek(0, os.SEEK_END)
@@ -81,7 +94,8 @@ def read_tail(path: str, lines: int = 20, max_bytes: int = 64 << 10) -> str:
             data = file.read()
     except OSError:
         return ""
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+    tail = data.decode("utf-8", errors="replace").rstrip("\n").splitlines()[-lines:] if lines > 0 else []
+    return "\n".join(line if len(line) <= MAX_LINE else line[:MAX_LINE] + " ..." for line in tail)
 
 
 def exit_status(returncode: int) -> int:

@@ -3,8 +3,13 @@
 Each step it
 
 1. notices incarnations that ended: exit 0 means the job is done; an exit
-   after it was asked to stop means it is ready to be relaunched; any other
-   exit is a crash, retried (with back-off) up to the job's ``max_failures``;
+   after it was asked to stop means it is ready to be relaunched; an exit
+   caused by a lost node (:data:`LOST_NODE_EXIT`, or a kill because a node
+   it used was lost) is an *infrastructure failure*, counted apart
+   (``infra_failures``) and relaunched at once; any other exit is a crash,
+   retried (with back-off) up to the job's ``max_failures``, and the last
+   lines of its output become the job's ``last_error`` (logged with the
+   first crash, with a new output, and when the executor gives up);
 2. reads each job's ``hints.json`` into the supervisor state;
 3. runs a scheduling round every ``interval`` seconds, or at once when a job
    arrived, finished or failed;
@@ -15,9 +20,15 @@ Each step it
 
 Where the backend reports which nodes are alive (``Backend.alive_nodes``),
 each step first compares them with the nodes in use: incarnations touching a
-lost node are killed (their exit counts as a crash, so they are relaunched),
-and the policy sees a cluster of the alive nodes only; its node indices
-``0..n-1`` are mapped onto the alive nodes' indices.
+lost node are killed (an infrastructure failure: they are relaunched, not
+charged), and the policy sees a cluster of the alive nodes only; its node
+indices ``0..n-1`` are mapped onto the alive nodes' indices. The comparison
+is made again right after an incarnation ended with a lost node, so that the
+relaunch never goes back to the node that was just lost.
+
+A step must never block: the backends answer every call at once (the Ray
+backend launches asynchronously). A step longer than :data:`SLOW_STEP`
+seconds is logged.
 
 The executor never looks inside the policy, and reaches processes only
 through :class:`~scheduler.executor.backend.Backend`.
@@ -36,7 +47,7 @@ from typing import Any
 from adaptive._utils.files import read_json
 from scheduler.allocator import Allocator
 from scheduler.cluster import Allocation, ClusterSpec, make_allocation
-from scheduler.executor.backend import Assignment, Backend
+from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend
 from scheduler.executor.jobspec import JobSpec
 from scheduler.policies.base import Policy
 from scheduler.supervisor.state import SupervisorState
@@ -45,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 #: Longest wait before relaunching a crashed job (doubles per failure from 1 s).
 MAX_BACKOFF = 60.0
+#: Seconds above which one step is logged as slow (something blocked the loop).
+SLOW_STEP = 1.0
+#: Lines of a crashed incarnation's output kept as the job's ``last_error``.
+ERROR_LINES = 20
 
 
 class JobState(str, enum.Enum):
@@ -67,7 +82,11 @@ class ManagedJob:
     target: Allocation = ()
     launches: int = 0
     failures: int = 0
+    infra_failures: int = 0
     last_exit: int | None = None
+    last_error: str | None = None
+    #: The running incarnation was killed because a node it used was lost.
+    node_lost: bool = False
     stop_deadline: float = 0.0
     not_before: float = 0.0
     finished_at: float | None = None
@@ -83,7 +102,8 @@ class ManagedJob:
                 "replicas": self.assignment.num_replicas if self.assignment else 0,
                 "target_replicas": len(self.target), "launches": self.launches,
                 "restarts": max(self.launches - 1, 0), "failures": self.failures,
-                "last_exit": self.last_exit, "progress": self.progress,
+                "infra_failures": self.infra_failures, "last_exit": self.last_exit,
+                "last_error": self.last_error, "progress": self.progress,
                 "placement": list(self.assignment.nodes) if self.assignment else [],
                 "submitted_at": self.submitted_at, "finished_at": self.finished_at,
                 "min_replicas": self.spec.min_replicas, "max_replicas": self.spec.max_replicas}
@@ -134,14 +154,19 @@ class Executor:
         logger.info("submitted %s (replicas %d..%d)", spec.name, spec.min_replicas, spec.max_replicas)
 
     def step(self) -> None:
-        """One pass: reap exits, read hints, maybe reschedule, apply."""
+        """One pass: follow the nodes, reap exits, read hints, maybe reschedule, apply."""
+        started = time.monotonic()
         now = self.clock()
         self._sync_nodes(now)
-        self._reap(now)
+        if self._reap(now):
+            self._sync_nodes(now)  # the backend saw a node fail: leave it out before relaunching
         self._read_hints()
         if self._dirty or now >= self._next_round:
             self._schedule(now)
         self._apply(now)
+        took = time.monotonic() - started
+        if took > SLOW_STEP:
+            logger.warning("an executor step took %.1f s (a backend call blocked?)", took)
 
     @property
     def done(self) -> bool:
@@ -167,6 +192,7 @@ class Executor:
                     elif self.clock() > deadline:
                         self.backend.kill(job.handle)
             time.sleep(poll)
+        self.backend.close()
 
     # ------------------------------------------------------------- internals
     def _sync_nodes(self, now: float) -> None:
@@ -184,6 +210,7 @@ class Executor:
             if job.state in (JobState.RUNNING, JobState.STOPPING) and lost & set(job.assignment.nodes):
                 logger.warning("%s ran on lost node(s) %s; killing the incarnation", job.spec.name,
                                sorted(lost & set(job.assignment.nodes)))
+                job.node_lost = True
                 self.backend.kill(job.handle)
         index = {node: i for i, node in enumerate(alive)}
         remapped = {}
@@ -197,7 +224,9 @@ class Executor:
             self.allocator.cluster = ClusterSpec(len(alive), self.cluster.gpus_per_node)
         self._dirty = True
 
-    def _reap(self, now: float) -> None:
+    def _reap(self, now: float) -> bool:
+        """Handle the incarnations that ended; whether one of them ended with a lost node."""
+        any_lost = False
         for job in self.jobs.values():
             if job.state not in (JobState.RUNNING, JobState.STOPPING):
                 continue
@@ -207,23 +236,54 @@ class Executor:
                     logger.warning("%s did not stop within %.0f s; killing it", job.spec.name, self.grace_period)
                     self.backend.kill(job.handle)
                 continue
-            stopping = job.state is JobState.STOPPING
-            job.last_exit, job.handle, job.assignment = code, None, None
+            stopping, handle = job.state is JobState.STOPPING, job.handle
+            lost = job.node_lost or code == LOST_NODE_EXIT
+            job.last_exit, job.handle, job.assignment, job.node_lost = code, None, None, False
             if code == 0:
                 self._finish(job, JobState.SUCCEEDED, now)
+            elif lost:
+                any_lost = True
+                self._infra_failure(job, code, now)
             elif stopping:
                 job.state = JobState.PENDING
                 logger.info("%s stopped (exit %d) for reallocation", job.spec.name, code)
             else:
-                job.failures += 1
-                if job.failures > job.spec.max_failures:
-                    logger.error("%s failed %d times (last exit %d); giving up", job.spec.name, job.failures, code)
-                    self._finish(job, JobState.FAILED, now)
-                else:
-                    job.state = JobState.PENDING
-                    job.not_before = now + min(2.0 ** (job.failures - 1), MAX_BACKOFF)
-                    logger.warning("%s crashed (exit %d, failure %d of %d allowed); relaunching",
-                                   job.spec.name, code, job.failures, job.spec.max_failures)
+                self._crash(job, code, handle, now)
+        return any_lost
+
+    def _infra_failure(self, job: ManagedJob, code: int, now: float) -> None:
+        """A lost node ended the incarnation: not the job's fault, so relaunch at once, uncharged."""
+        job.infra_failures += 1
+        job.state, job.not_before = JobState.PENDING, now
+        self._dirty = True
+        logger.warning("%s lost a node (exit %d): infrastructure failure %d, not counted against max_failures; "
+                       "relaunching on the nodes left", job.spec.name, code, job.infra_failures)
+
+    def _crash(self, job: ManagedJob, code: int, handle: Any, now: float) -> None:
+        """The job's own failure: keep its output's tail, retry with back-off or give up."""
+        job.failures += 1
+        tail = self._log_tail(handle)
+        new_output = tail is not None and tail != job.last_error
+        job.last_error = tail
+        shown = f"; last lines of its output:\n{_indent(tail)}" if tail else ""
+        if job.failures > job.spec.max_failures:
+            logger.error("%s failed %d times (last exit %d); giving up%s", job.spec.name, job.failures, code, shown)
+            self._finish(job, JobState.FAILED, now)
+            return
+        delay = min(2.0 ** (job.failures - 1), MAX_BACKOFF)
+        job.state, job.not_before = JobState.PENDING, now + delay
+        logger.warning("%s crashed (exit %d, failure %d of %d allowed); relaunching in %.0f s%s", job.spec.name,
+                       code, job.failures, job.spec.max_failures, delay,
+                       shown if new_output else " (same output as the previous failure)" if tail else "")
+
+    def _log_tail(self, handle: Any) -> str | None:
+        """The last lines of the incarnation's output, if the backend can read them."""
+        try:
+            text = self.backend.log_tail(handle, lines=ERROR_LINES)
+        except OSError as exc:
+            logger.debug("could not read the output of %s: %s", handle, exc)
+            return None
+        return (text.strip() or None) if isinstance(text, str) else None
 
     def _finish(self, job: ManagedJob, state: JobState, now: float) -> None:
         job.state, job.finished_at, job.target = state, now, ()
@@ -295,3 +355,7 @@ class Executor:
             devices.extend((node, d) for d in free[node][:count])
             del free[node][:count]
         return Assignment(tuple(n for n, _ in devices), tuple(d for _, d in devices))
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())

@@ -54,6 +54,12 @@ def _kill_group_and_exit() -> None:
     os._exit(137)  # pragma: no cover - not reached
 
 
+def _die_with_guard() -> None:
+    """In the launcher's process, before exec: SIGKILL when the guard dies (Ray SIGKILLs the guard with
+    the actor when a node is removed)."""
+    process_tree.set_death_signal(signal.SIGKILL)
+
+
 def run(parent: int, command: list[str]) -> int:
     """Run ``command`` in this process group; its exit status, or kill the group if ``parent`` dies."""
     def on_parent_signal(*_: object) -> None:
@@ -67,7 +73,10 @@ def run(parent: int, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)  # the launcher in our group gets it too; we keep waiting
     signal.signal(signal.SIGINT, lambda *_: None)
     process_tree.become_subreaper()
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=process_tree.child_environment())
+    # The death signal is set in the child before exec, so any command dies with this guard (the guard is
+    # single-threaded: preexec_fn is safe here); adaptive-run also binds itself (ADAPTIVE_PARENT_PID).
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=process_tree.child_environment(),
+                             preexec_fn=_die_with_guard)
     while True:
         try:
             code = child.wait(timeout=PARENT_POLL)

@@ -17,27 +17,50 @@ with ``ADAPTIVE_JOB_ID``, ``ADAPTIVE_CHECKPOINT_PATH`` and
 from Ray's GPU assignment when the slots are GPUs, and output appended to
 ``<log_dir>/<job>/attempt-<k>.node-<index>.log``.
 
+**Nothing here waits.** The executor's loop calls this backend every step,
+so every Ray call it makes returns at once: :meth:`RayBackend.launch` only
+asks for the placement group, and each :meth:`RayBackend.poll` advances the
+incarnation through its phases (:class:`Phase`: placing -> creating the
+actors and reading the rendezvous address -> starting the launchers ->
+running) by checking the pending Ray calls with ``ray.wait(timeout=0)``. A
+phase not done within ``timeout`` seconds ends that launch alone
+(:data:`LAUNCH_FAILED_EXIT`). While it runs, each node's actor is asked for
+its launcher's exit status about twice a second: that is also the
+heartbeat.
+
 Exit status: ``0`` once every node's launcher exited 0; a node's non-zero
-exit ends the incarnation with that status (the other nodes are killed); a
-lost actor or node ends it with :data:`LOST_NODE_EXIT`, a crash, so the
-executor relaunches the job from its checkpoint. A stop is SIGTERM through
-the actors to their process groups (jobs checkpoint and exit 143), a kill is
-SIGKILL; the placement group and actors of an ended incarnation are always
-released.
+exit ends the incarnation with that status (the other nodes are killed),
+once every other node has answered a heartbeat sent after that exit: peers
+of a lost node fail too, often before the lost node's actor is seen dead,
+and their exit must not pass for the job's own crash. A node that is lost
+ends the incarnation with :data:`LOST_NODE_EXIT`, which the executor
+counts as an infrastructure failure, not the job's: Ray reports the node
+dead, or one of its actors raised ``RayActorError`` or did not answer a
+heartbeat within ``heartbeat_timeout`` s. In the last two cases the node
+becomes suspect in the pool (:meth:`RayPool.suspect
+<scheduler.executor.ray_pool.RayPool.suspect>`), so no job is placed on it
+until a probe shows it alive. A stop is SIGTERM through the actors to their
+process groups (jobs checkpoint and exit 143; one still being launched just
+ends with 143), a kill is SIGKILL. The actors and the placement group of an
+ended incarnation are released shortly after (once the actors confirmed the
+SIGKILL of their process groups, or after :data:`RELEASE_GRACE` s).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import os
 import signal
 import sys
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.executor.backend import Assignment, Backend
+from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend, read_tail
 from scheduler.executor.jobspec import JobSpec
 from scheduler.executor.ray_import import import_ray
 from scheduler.executor.ray_pool import RayPool
@@ -50,29 +73,73 @@ from scheduler.executor.ray_node import NodeLauncher  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-#: Exit status of an incarnation whose actor or node was lost (a crash: the job is relaunched).
-LOST_NODE_EXIT = 75
-#: Exit status of an incarnation that could not be started (no placement in time, actor errors).
-LAUNCH_FAILED_EXIT = 70
+__all__ = ["LAUNCH_FAILED_EXIT", "LOST_NODE_EXIT", "Phase", "RayBackend", "RayHandle"]
+
 #: Ray's label with a node's id, which pins a bundle to that node.
 NODE_ID_LABEL = "ray.io/node-id"
+#: Seconds between two heartbeats (exit-status polls) of one node's actor.
+HEARTBEAT_INTERVAL = 0.5
+#: Seconds after a node's failure from which the other nodes' heartbeats tell a crash from a lost node.
+FAILURE_GRACE = 2.0
+#: Seconds an ended incarnation's actors get to confirm the SIGKILL before they and the placement group go.
+RELEASE_GRACE = 2.0
 
 _RemoteLauncher = ray.remote(NodeLauncher)
 
 
+class Phase(str, enum.Enum):
+    """Where an incarnation is; every phase but the last two has a deadline (the backend's ``timeout``)."""
+
+    PLACING = "placing"      # waiting for the placement group
+    CREATING = "creating"    # actors created: waiting for the rendezvous address (and the GPU ids)
+    STARTING = "starting"    # waiting for each actor to start its launcher
+    RUNNING = "running"      # launchers run: heartbeats
+    ENDED = "ended"
+
+
 @dataclass
 class RayHandle:
-    """One incarnation: its placement group, actors (one per node) and state."""
+    """One incarnation: its phase, placement group, actors (one per node), pending Ray calls and exits."""
 
-    name: str
+    spec: JobSpec
     attempt: int
     nodes: tuple[int, ...]
+    slots: tuple[int, ...]
     log_paths: tuple[str, ...]
+    deadline: float
+    phase: Phase = Phase.PLACING
     placement_group: Any = None
     actors: list[Any] = field(default_factory=list)
+    #: The phase's pending calls: (position in ``nodes`` of the node called, ``ObjectRef``).
+    pending: list[tuple[int, Any]] = field(default_factory=list)
+    #: Outstanding heartbeats: position -> (``ObjectRef``, time sent).
+    heartbeats: dict[int, tuple[Any, float]] = field(default_factory=dict)
+    #: When the last answered heartbeat of each position was sent.
+    answered: dict[int, float] = field(default_factory=dict)
+    next_heartbeat: float = 0.0
+    #: When a node's failure was first seen (the others are then confirmed alive before it counts).
+    failed_at: float | None = None
+    endpoint: str | None = None
+    gpus: dict[int, list[str]] = field(default_factory=dict)
+    pids: tuple[int, ...] = ()
     exit_code: int | None = None
     stopping: bool = False
     codes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class _Release:
+    """What an ended incarnation still holds, freed once its SIGKILLs were confirmed or at ``deadline``."""
+
+    name: str
+    actors: list[Any]
+    placement_group: Any
+    signals: list[Any]
+    deadline: float
 
 
 class RayBackend(Backend):
@@ -83,20 +150,30 @@ class RayBackend(Backend):
         pool: the Ray nodes and slots (default: GPUs of all nodes).
         launcher: command prefix taking torchrun's arguments, run on the nodes
             (default: the node's Python running ``-m adaptive.elastic.launcher``).
-        timeout: seconds to wait for a placement group or an actor call.
+        timeout: seconds each launch phase may take (placement, actors, start).
+        heartbeat_timeout: seconds a node's actor may take to answer a heartbeat before its node is
+            taken as lost.
+        clock: monotonic time source in seconds.
     """
 
     def __init__(self, log_dir: str, pool: RayPool | None = None, launcher: Sequence[str] | None = None,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, heartbeat_timeout: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout}")
+        if heartbeat_timeout <= 0:
+            raise ValueError(f"heartbeat_timeout must be > 0 s, got {heartbeat_timeout}")
         self.log_dir = log_dir
         self.pool = pool or RayPool()
         self.launcher = list(launcher) if launcher else [sys.executable, "-m", "adaptive.elastic.launcher"]
         self.timeout = float(timeout)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.clock = clock
+        self._releases: list[_Release] = []
 
     # ---------------------------------------------------------------- Backend
     def alive_nodes(self) -> list[int]:
+        self._finish_releases()
         return self.pool.alive_nodes()
 
     def command(self, spec: JobSpec, num_nodes: int, nproc: int, rank: int, endpoint: str,
@@ -107,118 +184,275 @@ class RayBackend(Backend):
                 f"--rdzv-conf=is_host={1 if rank == 0 else 0}", *spec.command]
 
     def launch(self, spec: JobSpec, assignment: Assignment, attempt: int) -> RayHandle:
+        """Ask for the placement group and return at once; :meth:`poll` does the rest."""
+        self._finish_releases()
         per_node = Counter(assignment.nodes)
         nodes = tuple(sorted(per_node))
         logs = tuple(os.path.join(self.log_dir, spec.name, f"attempt-{attempt}.node-{n}.log") for n in nodes)
-        handle = RayHandle(spec.name, attempt, nodes, logs)
+        handle = RayHandle(spec, attempt, nodes, tuple(per_node[n] for n in nodes), logs,
+                           deadline=self.clock() + self.timeout)
         try:
-            self._start(handle, spec, per_node)
-        except Exception as exc:  # noqa: BLE001 - any failure to start is this incarnation's crash
-            logger.error("%s attempt %d could not start on nodes %s: %s", spec.name, attempt, list(nodes), exc)
-            self._release(handle, signal.SIGKILL)
-            handle.exit_code = LAUNCH_FAILED_EXIT
+            selectors = [{NODE_ID_LABEL: self.pool.node(n).node_id} for n in nodes]
+            handle.placement_group = placement_group(
+                [self._resources(k) for k in handle.slots], strategy="PACK", name=f"{spec.name}-{attempt}",
+                bundle_label_selector=selectors)
+            handle.pending = [(0, handle.placement_group.ready())]
+        except (KeyError, ValueError, ray.exceptions.RayError) as exc:
+            logger.error("%s attempt %d could not be placed on nodes %s: %s", spec.name, attempt, list(nodes), exc)
+            self._end(handle, LAUNCH_FAILED_EXIT)
+            return handle
+        logger.info("%s attempt %d: placing %s", spec.name, attempt,
+                    ", ".join(f"node {n} x{k}" for n, k in zip(nodes, handle.slots)))
         return handle
 
     def poll(self, handle: RayHandle) -> int | None:
+        """Advance ``handle`` by what its pending Ray calls answered; its exit status once it ended."""
+        self._finish_releases()
         if handle.exit_code is not None:
             return handle.exit_code
-        pending = [i for i in range(len(handle.actors)) if i not in handle.codes]
-        refs = [handle.actors[i].poll.remote() for i in pending]
-        try:
-            codes = ray.get(refs, timeout=self.timeout)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            logger.warning("%s attempt %d lost a node actor (%s)", handle.name, handle.attempt,
-                           type(exc).__name__)
+        lost = [n for n in handle.nodes if not self.pool.usable(n)]
+        if lost:
+            logger.warning("%s attempt %d: node(s) %s lost while %s", handle.name, handle.attempt, lost,
+                           handle.phase.value)
             return self._end(handle, LOST_NODE_EXIT)
-        for i, code in zip(pending, codes):
-            if code is not None:
-                handle.codes[i] = code
-                logger.info("%s attempt %d: node %d's launcher exited %d", handle.name, handle.attempt,
-                            handle.nodes[i], code)
-        failed = [c for c in handle.codes.values() if c not in (0, 143)]
-        if failed or (handle.codes and not handle.stopping and 143 in handle.codes.values()):
-            return self._end(handle, failed[0] if failed else 143)
-        if len(handle.codes) < len(handle.actors):
-            return None
-        codes_seen = set(handle.codes.values())
-        return self._end(handle, 0 if codes_seen == {0} else 143 if codes_seen == {143} else 1)
+        step = {Phase.PLACING: self._placing, Phase.CREATING: self._creating, Phase.STARTING: self._starting,
+                Phase.RUNNING: self._running}[handle.phase]
+        return step(handle)
 
     def stop(self, handle: RayHandle) -> None:
+        """SIGTERM to the launchers; an incarnation still being launched just ends (exit 143)."""
+        if handle.exit_code is not None:
+            return
         handle.stopping = True
-        self._signal(handle, signal.SIGTERM)
+        if handle.phase is Phase.RUNNING:
+            self._signal(handle, signal.SIGTERM)
+        else:
+            logger.info("%s attempt %d stopped while %s", handle.name, handle.attempt, handle.phase.value)
+            self._end(handle, 128 + signal.SIGTERM)
 
     def kill(self, handle: RayHandle) -> None:
         if handle.exit_code is None:
             self._end(handle, 128 + signal.SIGKILL)
 
     def describe(self) -> list[dict[str, Any]]:
-        """The pool's nodes, for the status file."""
-        return [n.public() for n in self.pool.nodes()]
+        """The pool's nodes (with their state: alive, suspect, lost), for the status file."""
+        return self.pool.describe()
 
-    # -------------------------------------------------------------- internals
-    def _start(self, handle: RayHandle, spec: JobSpec, per_node: Counter) -> None:
-        ray_nodes = [self.pool.node(n) for n in handle.nodes]
-        bundles = [self._resources(per_node[n]) for n in handle.nodes]
-        handle.placement_group = placement_group(
-            bundles, strategy="PACK", name=f"{spec.name}-{handle.attempt}",
-            bundle_label_selector=[{NODE_ID_LABEL: node.node_id} for node in ray_nodes])
-        ray.get(handle.placement_group.ready(), timeout=self.timeout)
-        for i, node in enumerate(handle.nodes):
-            resources = self._resources(per_node[node])
-            options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0),
-                                       "resources": resources, "max_restarts": 0, "max_concurrency": 4,
+    def log_tail(self, handle: RayHandle, lines: int = 20) -> str:
+        """The last ``lines`` lines of the incarnation's logs: of the nodes that failed, else of every node."""
+        failed = [i for i, code in handle.codes.items() if code not in (0, 143)]
+        positions = failed or list(range(len(handle.nodes)))
+        parts = []
+        for i in positions:
+            text = read_tail(handle.log_paths[i], lines)
+            if text and len(handle.nodes) > 1:
+                parts.append(f"--- node {handle.nodes[i]} ({os.path.basename(handle.log_paths[i])})")
+            if text:
+                parts.append(text)
+        return "\n".join(parts)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Free what ended incarnations still hold, waiting up to ``timeout`` s for their SIGKILLs."""
+        deadline = self.clock() + timeout
+        while self._releases and self.clock() < deadline:
+            self._finish_releases()
+            time.sleep(0.05)
+        self._finish_releases(force=True)
+
+    # ------------------------------------------------------------ the phases
+    def _placing(self, handle: RayHandle) -> int | None:
+        answered = self._answered(handle)
+        if answered is None:
+            return self._check_deadline(handle, "placement group ready")
+        for i in range(len(handle.nodes)):
+            options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "resources": {}, "max_restarts": 0,
+                                       "max_concurrency": 4,
                                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
                                            handle.placement_group, placement_group_bundle_index=i)}
+            options.update(self._actor_resources(handle.slots[i]))
             handle.actors.append(_RemoteLauncher.options(**options).remote())
-        ip, port = ray.get(handle.actors[0].address.remote(), timeout=self.timeout)
-        endpoint = f"{ip}:{port}"
+        handle.pending = [(0, handle.actors[0].address.remote())]
+        if self.pool.resource == "GPU":
+            handle.pending += [(i, actor.gpu_ids.remote()) for i, actor in enumerate(handle.actors)]
+        return self._next_phase(handle, Phase.CREATING)
+
+    def _creating(self, handle: RayHandle) -> int | None:
+        answered = self._answered(handle)
+        if answered is None:
+            return self._check_deadline(handle, "actors created")
+        ip, port = answered[0]
+        handle.endpoint = f"{ip}:{port}"
+        handle.gpus = dict(enumerate(answered[1:]))
+        spec = handle.spec
         base_env = dict(spec.env)
         base_env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
                          "ADAPTIVE_SHARE_PATH": spec.share_dir})
         os.makedirs(spec.checkpoint_dir, exist_ok=True)
-        starts = []
-        for rank, (node, actor, log) in enumerate(zip(handle.nodes, handle.actors, handle.log_paths)):
+        handle.pending = []
+        for rank, (actor, nproc, log) in enumerate(zip(handle.actors, handle.slots, handle.log_paths)):
             env = dict(base_env)
-            if self.pool.resource == "GPU":
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(ray.get(actor.gpu_ids.remote(), timeout=self.timeout))
-            cmd = self.command(spec, len(handle.nodes), per_node[node], rank, endpoint, handle.attempt)
-            starts.append(actor.start.remote(cmd, env, log))
-        pids = ray.get(starts, timeout=self.timeout)
-        logger.info("launched %s attempt %d: %s (rendezvous %s, pids %s)", spec.name, handle.attempt,
-                    ", ".join(f"node {n} x{per_node[n]}" for n in handle.nodes), endpoint, pids)
+            if rank in handle.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(handle.gpus[rank])
+            cmd = self.command(spec, len(handle.nodes), nproc, rank, handle.endpoint, handle.attempt)
+            handle.pending.append((rank, actor.start.remote(cmd, env, log)))
+        return self._next_phase(handle, Phase.STARTING)
+
+    def _starting(self, handle: RayHandle) -> int | None:
+        answered = self._answered(handle)
+        if answered is None:
+            return self._check_deadline(handle, "launchers started")
+        handle.pids = tuple(answered)
+        logger.info("launched %s attempt %d: %s (rendezvous %s, pids %s)", handle.name, handle.attempt,
+                    ", ".join(f"node {n} x{k}" for n, k in zip(handle.nodes, handle.slots)), handle.endpoint,
+                    list(handle.pids))
+        return self._next_phase(handle, Phase.RUNNING)
+
+    def _running(self, handle: RayHandle) -> int | None:
+        now = self.clock()
+        if now >= handle.next_heartbeat:
+            for i, actor in enumerate(handle.actors):
+                if i not in handle.codes and i not in handle.heartbeats:
+                    handle.heartbeats[i] = (actor.poll.remote(), now)
+            handle.next_heartbeat = now + HEARTBEAT_INTERVAL
+        refs = [ref for ref, _ in handle.heartbeats.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        for i, (ref, sent) in sorted(handle.heartbeats.items()):
+            if ref in ready:
+                del handle.heartbeats[i]
+                try:
+                    code = ray.get(ref, timeout=0)
+                except ray.exceptions.RayError as exc:
+                    return self._failed(handle, i, exc)
+                handle.answered[i] = sent
+                if code is not None:
+                    handle.codes[i] = code
+                    logger.info("%s attempt %d: node %d's launcher exited %d", handle.name, handle.attempt,
+                                handle.nodes[i], code)
+            elif now - sent > self.heartbeat_timeout:
+                return self._unresponsive(handle, i, now - sent)
+        return self._exit_status(handle, now)
+
+    # ------------------------------------------------------------- internals
+    def _answered(self, handle: RayHandle) -> list[Any] | None:
+        """The results of the phase's pending calls, in order, once all are ready; ``None`` before, or
+        when one raised (the handle then ended, see :meth:`_failed`)."""
+        refs = [ref for _, ref in handle.pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) < len(refs):
+            return None
+        results = []
+        for position, ref in handle.pending:
+            try:
+                results.append(ray.get(ref, timeout=0))
+            except ray.exceptions.RayError as exc:
+                self._failed(handle, position, exc)
+                return None
+        return results
+
+    def _next_phase(self, handle: RayHandle, phase: Phase) -> None:
+        handle.phase, handle.deadline = phase, self.clock() + self.timeout
+
+    def _check_deadline(self, handle: RayHandle, what: str) -> int | None:
+        if handle.exit_code is not None:  # a pending call failed (see _answered)
+            return handle.exit_code
+        if self.clock() < handle.deadline:
+            return None
+        logger.error("%s attempt %d could not start on nodes %s: not %s within %.0f s", handle.name,
+                     handle.attempt, list(handle.nodes), what, self.timeout)
+        return self._end(handle, LAUNCH_FAILED_EXIT)
+
+    def _failed(self, handle: RayHandle, position: int, exc: BaseException) -> int:
+        """A Ray call of ``handle`` raised: a dead actor makes its node suspect (lost node), anything else
+        fails the launch."""
+        node = handle.nodes[position]
+        if isinstance(exc, ray.exceptions.RayActorError):
+            self.pool.suspect(node, f"{handle.name} attempt {handle.attempt}: its actor failed "
+                                    f"({type(exc).__name__})")
+            return self._end(handle, LOST_NODE_EXIT)
+        logger.error("%s attempt %d on node %d failed while %s: %s", handle.name, handle.attempt, node,
+                     handle.phase.value, exc)
+        return self._end(handle, LAUNCH_FAILED_EXIT)
+
+    def _unresponsive(self, handle: RayHandle, position: int, waited: float) -> int:
+        node = handle.nodes[position]
+        self.pool.suspect(node, f"{handle.name} attempt {handle.attempt}: its actor did not answer a heartbeat "
+                                f"for {waited:.1f} s")
+        return self._end(handle, LOST_NODE_EXIT)
+
+    def _exit_status(self, handle: RayHandle, now: float) -> int | None:
+        """The incarnation's status from its nodes' exits so far (``None``: still running).
+
+        A node's failure ends the incarnation only once every other node that still runs has answered a
+        heartbeat sent :data:`FAILURE_GRACE` seconds or more after it: a lost node makes its peers fail
+        too, often before its own actor is seen dead (an actor can answer for a moment after its node's
+        raylet died), and that must read as the lost node (an infrastructure failure), not as the job's
+        crash.
+        """
+        codes = handle.codes
+        failed = [c for c in codes.values() if c not in (0, 143)]
+        if failed or (codes and not handle.stopping and 143 in codes.values()):
+            if handle.failed_at is None:
+                handle.failed_at, handle.next_heartbeat = now, now  # confirm the others at once
+            running = [i for i in range(len(handle.actors)) if i not in codes]
+            confirmed_after = handle.failed_at + FAILURE_GRACE
+            if any(handle.answered.get(i, -math.inf) < confirmed_after for i in running):
+                return None
+            return self._end(handle, failed[0] if failed else 143)
+        if len(codes) < len(handle.actors):
+            return None
+        seen = set(codes.values())
+        return self._end(handle, 0 if seen == {0} else 143 if seen == {143} else 1)
 
     def _resources(self, slots: int) -> dict[str, float]:
         return {self.pool.resource: float(slots)}
+
+    def _actor_resources(self, slots: int) -> dict[str, Any]:
+        """Actor options that take the node's whole bundle (``num_cpus``/``num_gpus`` for those resources)."""
+        if self.pool.resource == "CPU":
+            return {"num_cpus": slots}
+        if self.pool.resource == "GPU":
+            return {"num_gpus": slots}
+        return {"resources": {self.pool.resource: float(slots)}}
 
     def _signal(self, handle: RayHandle, sig: signal.Signals) -> None:
         for actor in handle.actors:
             actor.signal.remote(int(sig))  # fire and forget: returns at once; a dead actor is seen by poll
 
     def _end(self, handle: RayHandle, code: int) -> int:
-        handle.exit_code = code
-        self._release(handle, signal.SIGKILL)
+        handle.exit_code, handle.phase = code, Phase.ENDED
+        handle.pending, handle.heartbeats = [], {}
+        self._release(handle)
         logger.info("%s attempt %d ended with %d", handle.name, handle.attempt, code)
         return code
 
-    def _release(self, handle: RayHandle, sig: signal.Signals) -> None:
-        """Kill what may still run, then free the actors and the placement group."""
-        waits = []
-        for actor in handle.actors:
-            waits.append(actor.signal.remote(int(sig)))
-        if waits:
-            try:
-                ray.wait(waits, num_returns=len(waits), timeout=min(self.timeout, 10.0))
-            except ray.exceptions.RayError:
-                pass
-        for actor in handle.actors:
+    def _release(self, handle: RayHandle) -> None:
+        """SIGKILL what may still run; the actors and the placement group go once that is confirmed."""
+        signals = [actor.signal.remote(int(signal.SIGKILL)) for actor in handle.actors]
+        self._releases.append(_Release(handle.name, handle.actors, handle.placement_group, signals,
+                                       self.clock() + RELEASE_GRACE))
+        handle.actors, handle.placement_group = [], None
+
+    def _finish_releases(self, force: bool = False) -> None:
+        now = self.clock()
+        keep = []
+        for release in self._releases:
+            refs = release.signals
+            confirmed = not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+            if confirmed or force or now >= release.deadline:
+                self._free(release)
+            else:
+                keep.append(release)
+        self._releases = keep
+
+    @staticmethod
+    def _free(release: _Release) -> None:
+        for actor in release.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except ray.exceptions.RayError as exc:
-                logger.debug("%s: actor already gone: %s", handle.name, exc)
-        handle.actors = []
-        if handle.placement_group is not None:
+                logger.debug("%s: actor already gone: %s", release.name, exc)
+        if release.placement_group is not None:
             try:
-                remove_placement_group(handle.placement_group)
+                remove_placement_group(release.placement_group)
             except ray.exceptions.RayError as exc:
-                logger.debug("%s: placement group already gone: %s", handle.name, exc)
-            handle.placement_group = None
+                logger.debug("%s: placement group already gone: %s", release.name, exc)
