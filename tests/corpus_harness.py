@@ -630,6 +630,11 @@ PORTS: dict[str, Script] = {
     "linreg": Script(
         "linreg", "linear_regression.py", ("--epochs", "4"), 4, ("train",), drop_last=frozenset({"train"}),
         sizes=(("train", 10000),)),
+    "tutorial": Script(
+        # PyTorch's torchrun tutorial: a next(iter(loader)) peek every epoch, its own snapshot, dropout
+        "tutorial", "torchrun_tutorial.py", ("4", "1", "--batch_size", "32", "--size", "1024"), 4, ("train",),
+        drop_last=frozenset({"train"}), exact=("n",), close=(Ratio("loss_sum", "n", **_LOSS),),
+        sizes=(("train", 1024),)),
     "dcgan": Script(
         # GAN losses swing by 2x from run to run: only the sample count is compared
         "dcgan", "dcgan.py", ("--epochs", "4"), 4, ("train",), models=("netD", "netG"), exact=("n",),

@@ -48,3 +48,32 @@ def test_a_dead_or_hung_peer_gives_a_clear_error_in_bounded_time(tmp_path, mode,
     assert result["error"] == "CollectiveError"
     assert "peer replica died" in result["message"]
     assert result["seconds"] < bound
+
+
+def test_a_peer_failure_in_the_users_own_collective_ends_the_script_with_one_line(tmp_path):
+    """DDP's all-reduce raising gloo's error ends the script: one ERROR line, the traceback at DEBUG, exit 1;
+    any other error keeps its traceback."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import logging, sys
+        import adaptive
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        adaptive.init_process_group("gloo")
+        for epoch in adaptive.remaining_epochs_until(2):
+            if sys.argv[1] == "peer":
+                raise RuntimeError("[/w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                                   "[127.0.0.1]:1234: Connection reset by peer. This is typically caused by ...")
+            raise ValueError("a bug in the script")
+    """))
+    env = {**__import__("os").environ, "ADAPTIVE_CHECKPOINT_PATH": str(tmp_path / "ckpt")}
+    peer = subprocess.run([sys.executable, str(script), "peer"], capture_output=True, text=True, timeout=120, env=env)
+    assert peer.returncode == 1
+    assert "Traceback" not in peer.stderr and "finish_training" not in peer.stderr, peer.stderr
+    assert ("adaptive.elastic.peer_failure: rank 0: a peer replica failed (RuntimeError: Read error "
+            "[127.0.0.1]:1234: Connection reset by peer); exiting without writing a checkpoint") in peer.stderr
+    bug = subprocess.run([sys.executable, str(script), "bug"], capture_output=True, text=True, timeout=120, env=env)
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: a bug in the script" in bug.stderr

@@ -2,7 +2,8 @@
 
 The corpus holds AdaptDL's tutorial (MNIST step 5) and examples (pytorch-cifar,
 linear regression, DCGAN), ported with the renames of docs/migration-adaptdl.md
-and local data, and ``lr_schedules.py``: every LR scheduler of
+and local data, PyTorch's own torchrun tutorial (a ``next(iter(loader))`` peek
+every epoch, its own snapshot, dropout), and ``lr_schedules.py``: every LR scheduler of
 ``torch.optim.lr_scheduler`` with SGD (momentum), Adam, AdamW or Adagrad,
 a GradScaler, clipping and an early ``break``.  Each test runs one script
 through one sequence on 127.0.0.1 (gloo):
@@ -115,7 +116,7 @@ def run_sequence(jobs: Jobs, references, tmp_path, script: Script, sequence: str
 
 # ---------------------------------------------------------------------- the ports of AdaptDL's scripts
 
-FAST_PORTS = {("cifar", "term-valid")}
+FAST_PORTS = {("cifar", "term-valid"), ("tutorial", "kill-worker")}
 SAMPLED_PORTS = {("mnist", "term-epoch-end")}  # about 35 s: CI runs it after the default suite
 
 

@@ -45,6 +45,10 @@ def test_sigkill_one_worker_rolls_back_and_finishes_exactly(jobs, tmp_path):
     assert_resumed_newest(out, restarted, out / "job.log")  # ...then the newest periodic checkpoint, applied
     assert all(r["model"] != first[0]["model"] for r in restarted)
     assert restarted[0]["loader_step"] > 10  # rolled back a few steps, not to the start
+    # the restart round is a new incarnation: it took generation 2, and every checkpoint after the kill is its
+    generations = [(info.created > killed_at, info.metadata["generation"]) for info in store(out).list()]
+    assert {g for after, g in generations if not after} == {1} and {g for after, g in generations if after} == {2}, \
+        generations
 
 
 def test_graceful_stop_then_relaunch_at_1_and_3_replicas_resumes_exactly(jobs, tmp_path):
@@ -68,6 +72,7 @@ def test_graceful_stop_then_relaunch_at_1_and_3_replicas_resumes_exactly(jobs, t
         stopped = progress(out, 0)
         stops.append(stopped["step"])
         assert "stopped gracefully" in log.read_text(), tail(log)
+        assert "finish_training" not in log.read_text(), tail(log)  # a stop is not a break out of the epoch loop
         if resumed_from is None:
             assert [r["seq"] for r in resume_records(out, started)] == [None] * nproc  # a fresh start
         else:
@@ -171,3 +176,36 @@ def test_autoscale_changes_batch_mid_epoch_and_redecides_after_rescale(jobs, tmp
         text = (out / name).read_text()
         assert f"replica count changed from 2 to {replicas}" in text or \
                f"replica count changed from 1 to {replicas}" in text, tail(out / name)
+
+
+@pytest.mark.parametrize("loader_workers", [0, 1])
+def test_a_killed_peer_is_one_line_per_survivor_without_tracebacks(jobs, tmp_path, loader_workers):
+    """SIGKILL of one worker in the middle of DDP's gradient all-reduce: the survivors each say so in one line
+    (their traceback goes to the DEBUG log), write nothing, and the restarted group finishes exactly."""
+    out = tmp_path / "peer"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3", "--max-restarts=2"], out, "job.log",
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0.5", WORKER_EPOCHS="2", WORKER_STEP_SLEEP="0.02",
+                       WORKER_LOADER_WORKERS=str(loader_workers))
+    victim = wait_for(lambda: (p := progress(out, 2)) and p["step"] >= 8 and newest_checkpoint_step(out) > 2 and p,
+                      120, "rank 2 to train")
+    survivors = [progress(out, rank)["pid"] for rank in (0, 1)]
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: not any(_running(pid) for pid in survivors), 30, "the survivors to exit")
+    exit_seconds = time.monotonic() - killed_at
+    assert wait_exit(proc, 240, out / "job.log") == 0, tail(out / "job.log")
+    log = (out / "job.log").read_text()
+    assert "Traceback" not in log, log[-6000:]
+    lines = [line for line in log.splitlines() if "a peer replica failed" in line]
+    assert 1 <= len(lines) <= 2 and all("exiting without writing a checkpoint" in line for line in lines), lines
+    assert_exact_counts(out, 2, out / "job.log")
+    print(f"survivors exited {exit_seconds:.2f} s after the kill ({loader_workers} DataLoader worker(s) each)")
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

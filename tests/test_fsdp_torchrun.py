@@ -103,9 +103,11 @@ def _stop(jobs, proc, out: Path, started: float, log: Path) -> None:
     assert_stopped_gracefully(out, started, progress(out, 0), log)
 
 
-def test_sigkill_then_stops_and_relaunches_at_2_1_3_replicas_reshard_exactly(jobs, tmp_path):
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta-device"])
+def test_sigkill_then_stops_and_relaunches_at_2_1_3_replicas_reshard_exactly(jobs, tmp_path, meta):
     out = tmp_path / "reshard"
-    knobs = dict(WORKER_EPOCHS="3", ADAPTIVE_CHECKPOINT_KEEP="1000")  # keep every resumed checkpoint, to compare
+    knobs = dict(WORKER_EPOCHS="3", ADAPTIVE_CHECKPOINT_KEEP="1000",  # keep every resumed checkpoint, to compare
+                 WORKER_META="1" if meta else "0")
     log = out / "job2.log"
     started = time.time()
     proc = jobs.launch(["--standalone", "--nproc-per-node=2", "--max-restarts=3"], out, "job2.log",

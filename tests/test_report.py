@@ -195,14 +195,19 @@ TINY_JOB = textwrap.dedent("""
     loader = adaptive.AdaptiveDataLoader(dataset, batch_size=16, shuffle=True)
     loader.autoscale_batch_size(64, local_bsz_bounds=(8, 64), adapt_every=5)
     stop_at = int(os.environ.get("STOP_AT_STEP", "0"))
+    stats = adaptive.Accumulator()
     for epoch in adaptive.remaining_epochs_until(3):
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            stats["loss_sum"] += loss.item() * len(x)
+            stats["n"] += len(x)
             if stop_at and loader.step >= stop_at:
                 adaptive.request_stop()  # what SIGTERM does: checkpoint at an agreed step, exit 143
+        with stats.synchronized():
+            stats.clear()
 """)
 
 
@@ -234,8 +239,8 @@ def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "restarts: 1" in printed and str(output) in printed
     width, height = png_size(output)
-    assert (width, height) == (1400, 1600)
-    assert output.stat().st_size > 30_000  # five rows of drawn panels, not an empty canvas
+    assert (width, height) == (1400, 1900)  # six rows: the script's own totals (mean loss) are the last
+    assert output.stat().st_size > 30_000  # drawn panels, not an empty canvas
 
     run = report.load_run(str(tmp_path / "share"))
     summary = report.summarize(run)
@@ -253,6 +258,10 @@ def test_report_of_a_real_run_with_a_graceful_restart(tmp_path, capsys):
     assert summary.final_batch_size == last_size
     assert summary.batch_size_decisions == sum(1 for r in lines if r.get("event") == "batch_size")
     assert summary.goodput_gain is not None and summary.goodput_gain > 0
+    totals = [r for r in lines if r.get("event") == "totals"]
+    assert [r["epoch"] for r in totals] == [0, 1, 2] and all(r["values"]["n"] == 256 for r in totals), totals
+    series = _png._totals_series(run)
+    assert list(series) == ["loss_sum / n (0)"] and len(series["loss_sum / n (0)"]) == 3
 
 
 # ---------------------------------------------------------------------- progress lost, replica-change steps

@@ -202,6 +202,7 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
     current_job().agreement.started = clock["now"]
     for _ in range(400):  # 4 s of 10 ms steps
         clock["now"] += 0.01
+        current_job().training.steps_committed += 1  # a step was trained
         sync_points.step_boundary(dict)
     gaps = [b - a for a, b in zip(saves, saves[1:])]
     assert 3 <= len(saves) <= 4 and min(gaps) >= 0.99, saves
@@ -399,3 +400,120 @@ def test_adaptive_run_reports_a_stop_that_could_not_checkpoint(tmp_path):
     assert "the stop could not write its checkpoint" in log and "TextIOWrapper" in log, tail(out / "job.log")
     assert "every worker checkpointed" not in log
     assert CheckpointStore(out / "checkpoints").latest() is None
+
+
+def _peeking_run(epochs: int, seen: list, stop_at: tuple[int, int] | None = None, crash_at=None) -> None:
+    """PyTorch's torchrun tutorial: ``b_sz = len(next(iter(loader))[0])`` at the start of every epoch."""
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = adaptive.AdaptiveDataParallel(model, optimizer)
+    loader = adaptive.AdaptiveDataLoader(Indices(24), batch_size=4, shuffle=True)
+    for epoch in adaptive.remaining_epochs_until(epochs):
+        b_sz = len(next(iter(loader)))
+        assert b_sz == 4
+        for step, batch in enumerate(loader):
+            if crash_at is not None and (epoch, step) == (crash_at[0], crash_at[1] - 1):
+                adaptive.save_all_states({"reason": "test"})  # what the crash rolls back to: mid-loop
+            optimizer.zero_grad()
+            model(batch.float().unsqueeze(1)).sum().backward()
+            optimizer.step()
+            seen.append((epoch, step, tuple(batch.tolist())))
+            if stop_at == (epoch, step):
+                sync_points.request_stop()
+            if crash_at == (epoch, step):
+                raise KeyboardInterrupt  # a crash: nothing is saved
+
+
+@pytest.mark.parametrize("how", ["stop", "crash"])
+def test_a_peek_at_the_loader_consumes_nothing_before_or_after_a_restart(job, how):
+    seen: list = []
+    with pytest.raises((SystemExit, KeyboardInterrupt)):
+        _peeking_run(2, seen, stop_at=(1, 2) if how == "stop" else None,
+                     crash_at=(1, 3) if how == "crash" else None)
+    if how == "crash":  # rolled back to the checkpoint before step 2 of epoch 1: steps 2 and 3 run again
+        seen[:] = [entry for entry in seen if entry[:2] < (1, 2)]
+    restart_process_state()
+    _peeking_run(2, seen)  # the peek works again in the interrupted epoch, and the loop resumes where it was
+    for epoch in range(2):
+        samples = sorted(i for e, _, batch in seen if e == epoch for i in batch)
+        assert samples == list(range(24)), (epoch, seen)
+
+
+def _dropout_run(seen: dict, crash_at=None, save_before=None, stop_after_loop=None) -> torch.Tensor:
+    """Dropout in the model, numpy and ``random`` draws in the loop and before it, every epoch."""
+    import random as pyrandom
+
+    import numpy as np
+
+    torch.manual_seed(1)
+    np.random.seed(1)
+    pyrandom.seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    model = adaptive.AdaptiveDataParallel(net, optimizer)
+    loader = adaptive.AdaptiveDataLoader(Indices(24), batch_size=4, shuffle=True)
+    for epoch in adaptive.remaining_epochs_until(3):
+        seen[(epoch, "before")] = (pyrandom.random(), float(np.random.rand()))  # code before the loop
+        for batch in loader:
+            step = loader.step % 6  # the step of the epoch (enumerate would count from the resumed step)
+            if save_before == (epoch, step):
+                adaptive.save_all_states({"reason": "test"})
+            x = torch.stack([batch.float() / 24, torch.rand(len(batch)), torch.full((len(batch),), np.random.rand())], 1)
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen[(epoch, step)] = loss.item()
+            if crash_at == (epoch, step):
+                raise KeyboardInterrupt  # a crash
+        if stop_after_loop == epoch:
+            sync_points.request_stop()  # taken at the end of the epoch: a checkpoint between two epochs
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+@pytest.mark.parametrize("checkpoint", ["mid-loop", "epoch-end"])
+def test_a_rollback_replays_the_same_random_numbers(job, checkpoint):
+    reference: dict = {}
+    final = _dropout_run(reference)
+    import shutil
+
+    shutil.rmtree(job / "checkpoints")
+    restart_process_state()
+    replay: dict = {}
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        if checkpoint == "mid-loop":  # a checkpoint inside epoch 1's loop, then a crash: steps 2-4 run again
+            _dropout_run(replay, crash_at=(1, 4), save_before=(1, 2))
+        else:  # a stop at the end of epoch 0
+            _dropout_run(replay, stop_after_loop=0)
+    restart_process_state()
+    resumed: dict = {}
+    assert torch.equal(_dropout_run(resumed), final)  # bit-identical to the uninterrupted run
+    # Every step replayed drew what the uninterrupted run drew, and so did the code before each later epoch's
+    # loop; mid-loop, the code before the interrupted loop runs again before the generators are restored.
+    replayed = {key: value for key, value in resumed.items() if not (checkpoint == "mid-loop" and key == (1, "before"))}
+    assert replayed == {key: reference[key] for key in replayed}
+    if checkpoint == "mid-loop":
+        assert (1, 2) in resumed and (1, 1) not in resumed
+    else:
+        assert (1, "before") in replayed and (1, 0) in resumed and (0, 5) not in resumed
+
+
+def test_a_relaunch_writes_no_periodic_checkpoint_before_it_trained_a_step(job, monkeypatch):
+    def run(stop_at=None):
+        loader = adaptive.AdaptiveDataLoader(Indices(40), batch_size=4)
+        for epoch in adaptive.remaining_epochs_until(2):
+            for batch in loader:
+                if stop_at == loader.step:
+                    sync_points.request_stop()
+
+    with pytest.raises(SystemExit):
+        run(stop_at=3)
+    stopped = _latest(job)
+    assert stopped.info.metadata["reason"] == "stop"
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "0.000001")  # due at every agreement
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_KEEP", "100")
+    restart_process_state()
+    run()
+    after = [info for info in CheckpointStore(job / "checkpoints").list() if info.seq > stopped.info.seq]
+    assert after and all(info.metadata.get("step") != stopped.info.metadata["step"] for info in after), \
+        [(info.seq, info.metadata.get("reason"), info.metadata.get("step")) for info in after]

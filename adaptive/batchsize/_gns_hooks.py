@@ -252,6 +252,8 @@ class BackwardProbe:
             self._step_scale = self._loss_scale()
         self._hooked = self._micro_hooks_complete()
         if self._hooked and self._measuring:
+            if self._micro_sq.device != self._norms.device:  # built on the meta device, materialised since
+                self._micro_sq = torch.zeros(len(self._params), dtype=torch.float32, device=self._norms.device)
             self._micro_sq.zero_()
 
     def _loss_scale(self) -> torch.Tensor | None:

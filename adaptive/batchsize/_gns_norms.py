@@ -41,12 +41,23 @@ class GroupNorms:
         self._grad_of = grad_of if grad_of is not None else (lambda param: param.grad)
         self._num_groups = num_groups
         self._preconditioner = preconditioner
-        #: Where the norms (and the group sums) live: the first parameter's device.
-        self.device = self._params[0].device
-        #: Each parameter's group, as a device tensor for ``index_add_``.
-        self.group_index = torch.tensor(list(group_of), dtype=torch.long, device=self.device)
+        self._group_of = list(group_of)
+        self._group_index: torch.Tensor | None = None
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._prev_grads: dict[int, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where the norms (and the group sums) live: the first parameter's device *now* (a model built on
+        the meta device is measured where ``to_empty`` put it)."""
+        return self._params[0].device
+
+    @property
+    def group_index(self) -> torch.Tensor:
+        """Each parameter's group, as a tensor on :attr:`device` for ``index_add_``."""
+        if self._group_index is None or self._group_index.device != self.device:
+            self._group_index = torch.tensor(self._group_of, dtype=torch.long, device=self.device)
+        return self._group_index
 
     def precondition_active(self) -> bool:
         """Whether gradients are measured in Adam's geometry now."""

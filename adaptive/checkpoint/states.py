@@ -402,6 +402,7 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
     finally:
         session.save_count += 1
         session.last_save_time = time.monotonic()
+        session.steps_at_save = current_job().training.steps_committed
 
 
 def wait_for_pending_save() -> int | None:
@@ -456,6 +457,11 @@ def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | 
 def save_count() -> int:
     """Checkpoints this process has taken part in (equal on every replica at every agreement)."""
     return _session().save_count
+
+
+def steps_at_last_save() -> int:
+    """The loader steps this process had committed at its last save (0 before any: a resume is not a step)."""
+    return _session().steps_at_save
 
 
 def seconds_since_last_save(now: float | None = None) -> float | None:

@@ -3,7 +3,9 @@
 ``AdaptiveDataLoader`` holds the settings and the checkpointed position;
 the methods here run a pass over them, as torch's ``DataLoader`` leaves
 its passes to ``_BaseDataLoaderIter``.  A pass enters its loop (or resumes
-it at the checkpointed sample), plans steps from the committed position,
+it at the checkpointed sample; a pass abandoned before any step was trained,
+such as ``next(iter(loader))``, consumed nothing and leaves the loop to the
+next pass), plans steps from the committed position,
 yields each step's micro-batches, agrees with the other replicas at step
 boundaries (stops and checkpoints, :mod:`adaptive.elastic.sync_points`),
 configures loss weights, the LR factor and the models' noise-scale
@@ -25,12 +27,21 @@ from adaptive.data._loop import Lookahead, Plan
 from adaptive.data._workers import signals_blocked
 from adaptive.data.steps import PlannedStep
 from adaptive.data.weighting import loss_weight
-from adaptive.elastic import env, epoch, sync_points
+from adaptive._utils.mix import mix64
+from adaptive.elastic import env, epoch, random_state, sync_points
 from adaptive.elastic.job import current_job
 
 __all__ = ["LoaderPasses", "rank0_info"]
 
 logger = logging.getLogger("adaptive.data.dataloader")  # the loader's own lines, under the loader's logger
+
+
+def _mix(values: tuple[int, ...]) -> int:
+    """A seed from integers (SplitMix64 over each in turn): the same on every platform and run."""
+    key = 0
+    for value in values:
+        key = mix64(key ^ (value & ((1 << 64) - 1)))
+    return key & ((1 << 63) - 1)
 
 
 def rank0_info() -> int:
@@ -63,6 +74,8 @@ class LoaderPasses:
 
     def _steps(self, key: int | None) -> Iterator[Any]:
         plan: Plan | None = None
+        trained, optimizer_steps = 0, current_job().training.optimizer_steps
+        random_state.restore_at("loop")  # the first pass after a restart resumes the random generators too
         self._timing.reset()
         sync_points.restart_spacing()  # this loop's steps may be much longer or shorter than the last loop's
         try:
@@ -91,14 +104,21 @@ class LoaderPasses:
                     self._micro = (micro, count)
                     yield self._timing.fetch(plan.batches, last=micro == count - 1)
                 self._commit(step)
+                trained += 1
         except GeneratorExit:
             # ``break`` (or the loop abandoned): the loop counts as done.  No
             # collective here: the pending agreement settles at the next boundary.
             step, micro = self._step_now, self._micro
             if epoch.training_finished() and step is not None and micro is not None and micro[0] == micro[1] - 1:
                 self._commit(step)  # finish_training() then break after the step's last micro-batch: it was taken
+                trained += 1
             else:
                 self._end_step(None)
+            if not trained and current_job().training.optimizer_steps == optimizer_steps:
+                # Abandoned before it trained a step (``next(iter(loader))`` to learn a batch's shape): it
+                # consumed nothing, and the next pass is this loop again, after a restart as well.
+                self._loops[key] -= 1
+                raise
             self._mark_finished(key)
             epoch.save_pending_finish()  # all replicas called finish_training(): this collective is safe
             raise
@@ -112,11 +132,15 @@ class LoaderPasses:
         """The step's micro-batches were all trained: advance the position past it."""
         self._batching.commit(self._state, step)
         self._state.step += 1
+        current_job().training.steps_committed += 1
         self._end_step(step)
 
     def _start_plan(self, key: Any) -> Plan:
         """(Re)start planning from the committed position; the fetching side follows the same plan."""
         steps = self._batching.plan(self._state, self._sizer, env.num_replicas(), env.rank())
+        position = (self.sampler.seed, -1 if self._state.epoch is None else self._state.epoch, self._state.loop,
+                    self._state.index, env.rank())
+        self._worker_seeds.manual_seed(_mix(position))
         outer, inner = itertools.tee(steps)
         self._batches.source = (indices for step in inner for indices in step.indices)
         with signals_blocked(self._workers):  # workers start here (each loop, unless persistent)

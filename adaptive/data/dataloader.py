@@ -184,7 +184,13 @@ class AdaptiveDataLoader(LoaderPasses):
         self._workers = int(kwargs.get("num_workers") or 0) > 0
         if self._workers:
             kwargs["worker_init_fn"] = ShieldedWorkerInit(kwargs.get("worker_init_fn"))
-        self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches, **kwargs)
+        # Worker seeds come from a generator of the loader's own, seeded from the position each pass
+        # starts at (see _start_plan): creating a pass never draws from torch's global generator, whose
+        # state a checkpoint restores (adaptive.elastic.random_state), and worker seeds do not depend on
+        # how training got to that position.
+        self._worker_seeds = torch.Generator()
+        self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches,
+                                                  generator=self._worker_seeds, **kwargs)
         self._loops: collections.Counter = collections.Counter()
         self._controller: BatchSizeController | None = None
         self._micro: tuple[int, int] | None = None

@@ -35,6 +35,7 @@ import collections.abc
 import contextlib
 import copy
 import logging
+import math
 import numbers
 from typing import Any, Iterator
 
@@ -44,7 +45,8 @@ import torch
 from adaptive.checkpoint import states
 from adaptive.elastic import collectives
 from adaptive.elastic.job import current_job
-from adaptive.elastic import epoch
+from adaptive.elastic import epoch, sync_points
+from adaptive.observe import metrics
 
 __all__ = ["Accumulator"]
 
@@ -125,6 +127,18 @@ class _AccumulatorState(states.State):
         self.updates = {}
 
 
+def _record_totals(name: str, current: int | None, results: dict) -> None:
+    """Rank 0 writes the numeric totals of a synchronized block to the metrics file (``adaptive report``
+    draws them: losses and accuracies are the first thing users look at)."""
+    values = {str(key): float(value) for key, value in results.items()
+              if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)}
+    if values:
+        short = name[len("adaptive.accumulator."):] if name.startswith("adaptive.accumulator.") else name
+        position = sync_points.last_position()
+        metrics.MetricsWriter().event("totals", accumulator=short.split("@")[0], epoch=current,
+                                      step=position.get("step"), values=values)
+
+
 class Accumulator(collections.abc.MutableMapping):
     """A dict of metrics that ``synchronized()`` sums over all replicas.
 
@@ -184,6 +198,7 @@ class Accumulator(collections.abc.MutableMapping):
         else:
             self._state.sync()
             saved.append(copy.deepcopy(self._state.results))
+            _record_totals(self._state.name, current, self._state.results)
 
     def _target(self) -> dict:
         return self._state.updates if self._synchronized is None else self._state.results

@@ -27,7 +27,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from adaptive.elastic import env
+from adaptive.elastic import env, peer_failure
 from adaptive.elastic.job import ProcessGroups, current_job
 
 __all__ = [
@@ -95,6 +95,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
         logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
         groups.owns_default_group = True
+    peer_failure.install()  # a peer's death ends the script with one line, not a backend traceback
     if groups.control is None:
         if dist.get_backend() == "gloo":
             groups.control = dist.group.WORLD

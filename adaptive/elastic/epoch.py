@@ -29,14 +29,15 @@ While the loop runs it remembers the declared epoch count, so that
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Iterator
 
 from adaptive._utils.checks import check_float
 from adaptive.checkpoint import states
-from adaptive.elastic.job import EpochProgress, current_job
+from adaptive.elastic.job import EpochProgress, Job, current_job, on_reset
 from adaptive.elastic import env
-from adaptive.elastic import sync_points
+from adaptive.elastic import random_state, sync_points
 
 __all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished",
            "completed_fraction"]
@@ -160,7 +161,9 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     progress = _progress()
     if progress.looping:
         raise RuntimeError("remaining_epochs_until loops cannot be nested")
+    warn_if_left_early()  # the previous epoch loop was left by a break, since the script goes on
     state = _epoch_state()
+    generators = random_state.random_state()  # checkpointed with the epoch: replays draw the same numbers
     sync_points.install_signal_handlers()
     if state.ended:
         logger.info("training was ended by finish_training() after %d epochs; nothing left to train",
@@ -172,6 +175,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         while state.finished < epoch and not state.ended:
             state.current = state.finished
             states.begin_epoch(state.current)
+            generators.restore("epoch")  # after a checkpoint at an epoch's end: the next epoch starts from it
             try:
                 yield state.current
             except GeneratorExit:
@@ -191,12 +195,32 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
 
 
 def _left_early(state: _EpochState, epoch: int) -> None:
-    """The epoch loop was left (``break`` or an exception): say what a relaunch will do."""
-    if state.ended or env.rank() != 0 or current_job().agreement.exiting:  # an agreed stop is not a break
+    """The epoch loop was left (``break``, or an exception unwinding it): say what a relaunch will do.
+
+    A generator cannot tell a ``break`` from an exception passing through its
+    caller, so the warning waits until the job ends (the process exits, or the
+    job is reset) or the next epoch loop starts: it is dropped when the
+    process ends by an uncaught exception or by one of the library's agreed
+    exits (a stop, a failed peer, a stale generation), which are not breaks.
+    """
+    if state.ended or env.rank() != 0 or current_job().agreement.exiting:
         return
-    logger.warning("the epoch loop was left in epoch %s of %d without finish_training(); no 'finished' "
-                   "checkpoint is written, so a relaunch resumes from the last checkpoint. If this was a "
-                   "deliberate break, call adaptive.finish_training() before it", state.current, epoch)
+    progress = _progress()
+    progress.left_early = (
+        f"the epoch loop was left in epoch {state.current} of {epoch} without finish_training(); no 'finished' "
+        "checkpoint is written, so a relaunch resumes from the last checkpoint. If this was a deliberate break, "
+        "call adaptive.finish_training() before it")
+    if not progress.left_early_hooked:
+        progress.left_early_hooked = True
+        atexit.register(warn_if_left_early, current_job())
+
+
+def warn_if_left_early(job: Job | None = None) -> None:
+    """Log the warning :func:`_left_early` kept, unless the job ended by an error or an agreed exit."""
+    job = job or current_job()
+    message, job.epochs.left_early = job.epochs.left_early, None
+    if message is not None and not job.agreement.exiting:
+        logger.warning("%s", message)
 
 
 def _save_finished(state: _EpochState) -> None:
@@ -218,3 +242,6 @@ def _epoch_metadata(state: _EpochState) -> dict:
         epoch = state.current if state.current is not None else state.finished
         return dict(sync_points.last_position(), epoch=epoch, epoch_finished=False, training_ended=True)
     return dict(sync_points.last_position(), epoch=state.finished, epoch_finished=True)
+
+
+on_reset(warn_if_left_early)  # a reset job (tests' in-process restarts) ends like a process

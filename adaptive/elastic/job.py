@@ -49,6 +49,7 @@ class CheckpointSession:
     resumed_looked_up: bool = False
     last_save_time: float | None = None  # monotonic
     save_count: int = 0
+    steps_at_save: int = 0  # Training.steps_committed when this process last took part in a save
     epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
     name_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     pending_save: Any = None  # the asynchronous save in flight (adaptive.checkpoint._saving)
@@ -82,6 +83,8 @@ class EpochProgress:
     looping: bool = False
     total: int | None = None  # the epoch count the running loop declared (remaining_epochs_until(total))
     finish_pending: bool = False  # finish_training() inside a loader step: the loader saves after the step
+    left_early: str | None = None  # the warning about an epoch loop left without finish_training(), until the end
+    left_early_hooked: bool = False  # the end of the process logs it (adaptive.elastic.epoch.warn_if_left_early)
 
 
 @dataclasses.dataclass
@@ -91,6 +94,9 @@ class Training:
     loop: Any = None  # the AdaptiveDataLoader whose loop is running, if any
     model: Any = None  # the most recently created AdaptiveDataParallel
     models: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)  # every live one
+    optimizer_steps: int = 0  # optimizer steps the wrapped optimizers took (not skipped during accumulation)
+    steps_committed: int = 0  # loader steps this process trained to the end (all their micro-batches)
+    random_state: Any = None  # the checkpointed generator states (adaptive.elastic.random_state)
 
 
 @dataclasses.dataclass

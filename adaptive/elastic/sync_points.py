@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.generation import StaleGenerationError
-from adaptive.elastic import collectives, env, launch_status
+from adaptive.elastic import collectives, env, launch_status, peer_failure
 from adaptive.elastic.job import Agreement, Job, current_job, on_reset
 
 __all__ = [
@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 GRACEFUL_EXIT_CODE = 143
 #: Exit status when a stop was asked for but its checkpoint could not be written.
 STOP_FAILED_EXIT_CODE = 1
+#: Exit status of a replica whose peer failed (nothing is written; torchrun restarts the group).
+PEER_FAILED_EXIT_CODE = 1
 #: Exit status of an incarnation that a newer generation of the job fenced off.
 STALE_GENERATION_EXIT_CODE = launch_status.STALE_GENERATION_EXIT_CODE
 
@@ -101,10 +103,8 @@ def _on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
     agreement.stop_requested = True
     agreement.stop_signal = signum
-    logger.warning(
-        "received %s: all replicas will stop after the same step, checkpoint and exit",
-        signal.Signals(signum).name,
-    )
+    logger.warning("received %s: asking every replica to stop at the same step, checkpoint and exit",
+                   signal.Signals(signum).name)
 
 
 def install_signal_handlers() -> None:
@@ -115,6 +115,7 @@ def install_signal_handlers() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         agreement.previous_handlers[signum] = signal.signal(signum, _on_signal)
     agreement.handlers_installed = True
+    peer_failure.install()
 
 
 def request_stop() -> None:
@@ -131,6 +132,8 @@ def _checkpoint_due() -> bool:
     interval = env.checkpoint_interval()
     if interval <= 0 or env.rank() != 0:
         return False
+    if current_job().training.steps_committed == states.steps_at_last_save():
+        return False  # nothing trained since the last save or the resume: the checkpoint would repeat it
     since = states.seconds_since_last_save()
     elapsed = time.monotonic() - _agreement().started if since is None else since
     return elapsed >= interval
@@ -174,13 +177,9 @@ def _settle(pending: tuple[Any, int]) -> list[float]:
     waitable, saves_then = pending
     try:
         agreed = waitable.result()
-    except collectives.CollectiveError:
-        logger.error(
-            "a peer replica failed; exiting without writing a checkpoint so that the last "
-            "complete one (in %s) stays the newest",
-            env.checkpoint_path(),
-        )
-        raise
+    except collectives.CollectiveError as error:
+        peer_failure.report(error)
+        raise SystemExit(PEER_FAILED_EXIT_CODE) from error
     if agreed[_SEQ] != -agreed[_NEG_SEQ]:
         raise states.CheckpointError(
             "replicas resumed from different checkpoints (sequence numbers "
@@ -239,6 +238,10 @@ def _stop(info: dict) -> None:
         seq = save_or_exit(info)
     except Exception as error:
         reason = f"{type(error).__name__}: {error}"
+        if peer_failure.is_peer_failure(error):
+            peer_failure.report(error)
+            launch_status.confirm_stop(ok=False, reason=f"a peer replica failed ({reason})")
+            raise SystemExit(PEER_FAILED_EXIT_CODE) from error
         logger.error("the stop could not write its checkpoint (%s); the job will resume from the last complete "
                      "checkpoint in %s; exiting with %d", reason, env.checkpoint_path(), STOP_FAILED_EXIT_CODE)
         launch_status.confirm_stop(ok=False, reason=reason)

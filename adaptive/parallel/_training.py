@@ -140,17 +140,26 @@ def is_continuing_accumulation() -> bool:
     return micro is not None and micro[0] > 0
 
 
-def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, skip: Callable[[], bool]) -> None:
-    """Make ``optimizer.<method>()`` a no-op while ``skip()`` holds."""
+def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, skip: Callable[[], bool],
+                              ran: Callable[[], None] | None = None) -> None:
+    """Make ``optimizer.<method>()`` a no-op while ``skip()`` holds; call ``ran()`` after each real call."""
     original = getattr(optimizer, method)
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if skip():
             return None
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if ran is not None:
+            ran()
+        return result
 
     setattr(optimizer, method, wrapper)
+
+
+def _count_optimizer_step() -> None:
+    """An optimizer step ran (the loader tells a peek at a batch from a trained step by it)."""
+    current_job().training.optimizer_steps += 1
 
 
 def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, gns: GradientNoiseScale) -> StepLRFactor:
@@ -161,7 +170,7 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
     """
     step_lr = StepLRFactor(loader_lr_factor)
     step_lr.attach_around(optimizer, lambda: scaling_rule.attach(optimizer, gns))
-    _skip_during_accumulation(optimizer, "step", is_accumulation_step)
+    _skip_during_accumulation(optimizer, "step", is_accumulation_step, ran=_count_optimizer_step)
     _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
     return step_lr
 

@@ -28,6 +28,9 @@ What it does, on top of ``fully_shard``:
   reduction is switched off (``set_requires_gradient_sync(False)``), so
   gradients are reduce-scattered once per optimizer step; ``optimizer.step()``
   does nothing and ``zero_grad()`` acts only on the first micro-step.
+* **Models built on the meta device.** Wrap the meta model, then
+  ``to_empty(device=...)`` and initialise it: the checkpoint is restored
+  over that initialisation at the first forward (docs/sharding.md).
 * **Gradient noise scale** (``model.gns``) measured from the unsharded
   local gradients FSDP2 already holds and the sharded reduced ones (see
   :mod:`adaptive.batchsize._gns_sharded`), and the LR scaling rule
@@ -37,6 +40,7 @@ What it does, on top of ``fully_shard``:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -59,19 +63,22 @@ class _FullyShardedState(states.ShardedState):
     """Model and optimizer as DCP shards; LR scheduler, grad scaler and gradient statistics as one small part."""
 
     def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 parts: _training.TrainingParts) -> None:
+                 parts: _training.TrainingParts, before_save: Callable[[], None]) -> None:
         super().__init__(name)
         self.module = module
         self.optimizer = optimizer
         self.parts = parts
+        self._before_save = before_save
         self._saved_optimizer = False
 
     def state_dict(self) -> dict:
+        self._before_save()
         # An optimizer that has not stepped has no state to save; get_state_dict would create it
         # (with a step of lr 0), which would change what an uninterrupted run does.
         return {"kind": "fully_sharded", "optimizer_started": bool(self.optimizer.state), **self.parts.state_dict()}
 
     def sharded_state_dict(self) -> dict[str, Any]:
+        self._before_save()
         if not self.optimizer.state:
             return {"model": get_model_state_dict(self.module)}
         model, optimizer = get_state_dict(self.module, self.optimizer)
@@ -171,19 +178,45 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         self._make_gns_and_rule(optimizer, scaler, scaling_rule, gns_interval)
         self.gns.attach(self.module, is_last_micro_step=lambda: not _training.is_accumulation_step())
         parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
-        self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts)
-        # Restore before the step hooks exist: creating a fresh optimizer's state for the load
-        # (get_state_dict) runs one optimizer step with learning rate 0.
-        restored = states.load_state(self._state)
-        self.step_lr = _training.wire_optimizer(optimizer, self.scaling_rule, self.gns)
+        self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts,
+                                         before_save=self._materialize)
+        self._on_meta = _on_meta_device(self.module)
+        if not self._on_meta:
+            self._restore_and_wire()
+        else:
+            logger.debug("the model is on the meta device: it is restored from the checkpoint, and its optimizer "
+                         "wired, at its first forward, after to_empty() and your initialisation")
         self._register_with_job()
+
+    def _restore_and_wire(self) -> None:
+        """Restore model, optimizer and the rest from the checkpoint, then install the optimizer's step hooks.
+
+        Restore before the step hooks exist: creating a fresh optimizer's state for the load
+        (get_state_dict) runs one optimizer step with learning rate 0.
+        """
+        restored = states.load_state(self._state)
+        self.step_lr = _training.wire_optimizer(self.optimizer, self.scaling_rule, self.gns)
         if restored and env.rank() == 0:
             logger.info("restored the sharded model and optimizer%s%s from the checkpoint (%d replicas, mesh %s)",
-                        ", LR scheduler" if lr_scheduler is not None else "",
-                        ", grad scaler" if scaler is not None else "", env.num_replicas(),
+                        ", LR scheduler" if self.lr_scheduler is not None else "",
+                        ", grad scaler" if self.scaler is not None else "", env.num_replicas(),
                         tuple(self.mesh.shape))
 
+    def _materialize(self) -> None:
+        """A model built on the meta device: once ``to_empty`` gave it storage, restore it (once)."""
+        if not self._on_meta:
+            return
+        if _on_meta_device(self.module):
+            raise RuntimeError(
+                "the model is still on the meta device: after AdaptiveFSDP(model, optimizer), call "
+                "model.to_empty(device=...) and initialise the parameters (reset_parameters() or your init) "
+                "before the first forward; AdaptiveFSDP then restores the checkpoint over that initialisation "
+                "(see docs/sharding.md, 'Models built on the meta device')")
+        self._on_meta = False
+        self._restore_and_wire()
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._materialize()
         # Reduce-scatter only on the last micro-step of an optimizer step (FSDP2's no_sync).
         sync = not _training.is_accumulation_step()
         if sync != self._gradient_sync:
@@ -207,12 +240,19 @@ def _check_module(module: Any) -> None:
         raise ValueError("module has no trainable parameters")
 
 
+def _on_meta_device(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is still on the meta device (built without storage)."""
+    return any(tensor.is_meta for tensor in itertools.chain(module.parameters(), module.buffers()))
+
+
 def _ensure_process_group(module: torch.nn.Module) -> None:
     if collectives.is_initialized():
         return
     if env.num_replicas() > 1:
         raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveFSDP")
-    collectives.init_process_group("nccl" if next(module.parameters()).is_cuda else "gloo")
+    first = next(module.parameters())
+    collectives.init_process_group("nccl" if first.is_cuda or (first.is_meta and torch.cuda.is_available())
+                                   else "gloo")
 
 
 def _shard(module: torch.nn.Module, optimizer: Any, mesh: DeviceMesh | None, shard: _sharding.ShardPolicy,

@@ -15,6 +15,8 @@ Environment knobs (all optional):
     WORKER_ACCUM        accumulation steps per optimizer step (default 1)
     WORKER_SHARD_SIZE   replicas per shard group: a 2-D (replicate, shard) HSDP mesh (default: 1-D mesh)
     WORKER_STEP_SLEEP   seconds each step sleeps (default 0.03)
+    WORKER_META         "1": build the model on the meta device, shard it, then to_empty() and initialise it
+                        (the FSDP2 example's idiom); the checkpoint is restored at the first forward
 
 Right after building the model, optimizer and loader each process appends a
 resume record (``resume.rank<R>.jsonl``: checkpoint resumed, loader step,
@@ -44,6 +46,7 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
 ACCUM = int(os.environ.get("WORKER_ACCUM", "1"))
 SHARD_SIZE = os.environ.get("WORKER_SHARD_SIZE")
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.03"))
+META = os.environ.get("WORKER_META") == "1"
 WIDTH = 12
 
 logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
@@ -102,10 +105,23 @@ def main():
     adaptive.init_process_group("gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(0)
-    model = BlockStack()
+    if META:  # nothing is allocated until to_empty(); the optimizer's parameters are swapped in place
+        with torch.device("meta"):
+            model = BlockStack()
+    else:
+        model = BlockStack()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None
     model = adaptive.AdaptiveFSDP(model, optimizer, mesh=mesh)
+    if META:
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.reset_parameters()
+        model.module.steps.zero_()
+        with torch.no_grad():
+            model(torch.zeros(0, 3))  # the first forward: AdaptiveFSDP restores the checkpoint over the init
     loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
                                          accumulation_steps=ACCUM)
     record_resume(rank, world, model, optimizer, loader)

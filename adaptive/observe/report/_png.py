@@ -1,7 +1,8 @@
 """Drawing a run as one PNG (needs the optional ``matplotlib``, the ``report`` extra).
 
 Global and local batch size, accumulation steps and replicas, noise scale,
-gain and LR factor, samples/s and goodput, against the optimizer step (left
+gain and LR factor, samples/s and goodput, and the totals of the script's
+own accumulators (losses, accuracies), against the optimizer step (left
 column) and the wall time (right column), with restarts and replica-count
 changes marked by vertical lines, and the steps trained again after a loss
 of progress shaded.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Sequence
 
 from adaptive._utils.text import format_duration
@@ -35,7 +37,8 @@ _PANELS = (
                                          ("replicas", "replicas", "--")], False),
     ("gradient noise scale", [("noise_scale", "noise scale (samples)", "-")], True),
     ("gain and LR factor", [("gain", "gain", "-"), ("lr_factor", "LR factor (scaling rule)", "--"),
-                            ("step_lr_factor", "LR factor (step's actual size)", ":")], False),
+                            ("step_lr_factor", "LR factor (step's size / planned; dips at an epoch's short "
+                             "last step)", ":")], False),
     ("throughput", [("samples_per_sec", "samples/s", "-"), ("goodput", "goodput", "--"),
                     ("tokens_per_sec", "tokens/s", ":")], False),
 )
@@ -102,13 +105,15 @@ def _legend(ax: Any) -> None:
 
 
 def _mark_step_axis(ax: Any, run: Run, summary: RunSummary, label: bool) -> None:
+    # A restart is drawn wide and under the replica-change line, which usually falls on the same step:
+    # both stay visible.
     for number, process in enumerate(run.processes[1:]):
         if process.first_step is not None:
-            ax.axvline(process.first_step, color=_RESTART_COLOR, linestyle="--", linewidth=1,
-                       label="restart" if label and number == 0 else None)
+            ax.axvline(process.first_step, color=_RESTART_COLOR, linestyle="-", linewidth=4, alpha=0.35,
+                       zorder=1, label="restart" if label and number == 0 else None)
     for number, change in enumerate(summary.replica_changes):
         if change.step is not None:
-            ax.axvline(change.step, color=_REPLICA_COLOR, linestyle=":", linewidth=1.5,
+            ax.axvline(change.step, color=_REPLICA_COLOR, linestyle=":", linewidth=1.5, zorder=3,
                        label="replicas changed" if label and number == 0 else None)
     for number, loss in enumerate(summary.progress_losses):
         ax.axvspan(loss.resumed_step, loss.reached_step, color=_LOSS_COLOR, alpha=0.12, hatch="//", linewidth=0,
@@ -160,14 +165,63 @@ def _run_name(path: str) -> str:
 
 
 def _title(run: Run, summary: RunSummary) -> str:
-    gain = "n/a" if summary.goodput_gain is None else f"x{summary.goodput_gain:.2f}"
     title = (f"{_run_name(run.path)}: {summary.restarts} restart(s), {format_duration(summary.time_lost)} lost, "
-             f"final batch size {summary.final_batch_size}, goodput gain {gain}")
+             f"final batch size {summary.final_batch_size}")
+    measured = _first_and_last(run, "samples_per_sec")
+    if measured is not None:
+        title += f", measured samples/s {measured[0]:.0f} at the start -> {measured[1]:.0f} at the end"
+    if summary.goodput_gain is not None:
+        title += f"\nmodel-estimated goodput x{summary.goodput_gain:.2f} of the first configuration's"
     if summary.progress_losses:
         scratch = summary.restarts_from_scratch
         title += (f"\nPROGRESS LOST: {summary.steps_lost} steps trained again"
                   + (f" ({scratch} restart(s) from scratch)" if scratch else ""))
     return title
+
+
+def _first_and_last(run: Run, key: str, window: int = 5) -> tuple[float, float] | None:
+    """The mean of ``key`` over the first and over the last ``window`` step records that have it."""
+    values = [value for value in (finite_number(record.get(key)) for record in run.steps) if value is not None]
+    if not values:
+        return None
+    head, tail = values[:window], values[-window:]
+    return sum(head) / len(head), sum(tail) / len(tail)
+
+
+#: Keys that count what an accumulator's other totals are sums over (the first found divides them).
+_COUNT_KEYS = ("n", "count", "total", "samples", "num_samples", "num", "seen")
+
+
+def _totals_series(run: Run) -> dict[str, list[tuple[float | None, float, float]]]:
+    """From the ``totals`` events: label -> [(step, time, value)], each total divided by its block's count."""
+    series: dict[str, list[tuple[float | None, float, float]]] = {}
+    for event in run.events:
+        if event.get("event") != "totals" or not isinstance(event.get("values"), dict):
+            continue
+        values = {k: v for k, v in event["values"].items() if finite_number(v) is not None}
+        count_key = next((key for key in _COUNT_KEYS if values.get(key)), None)
+        name = re.sub(r"^e\d+\.", "epoch's #", str(event.get("accumulator", "")))
+        for key, value in values.items():
+            if key == count_key:
+                continue
+            label = f"{key} / {count_key}" if count_key else key
+            series.setdefault(f"{label} ({name})" if name else label, []).append(
+                (finite_number(event.get("step")), float(event.get("time", 0.0)),
+                 value / values[count_key] if count_key else value))
+    return series
+
+
+def _draw_totals(ax: Any, series: dict[str, list[tuple[float | None, float, float]]], by_time: bool,
+                 origin: float, unit: float) -> None:
+    for label, points in sorted(series.items()):
+        xs = [(when - origin) / unit if by_time else step for step, when, _ in points]
+        keep = [(x, y) for x, (_, _, y) in zip(xs, points) if x is not None]
+        if keep:
+            ax.plot([x for x, _ in keep], [y for _, y in keep], "-o", markersize=3, linewidth=1.2, label=label)
+    values = [y for points in series.values() for _, _, y in points]
+    if values and min(values) > 0 and max(values) / min(values) > 20:  # a loss falling by orders of magnitude
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
 
 
 def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi: int = 100) -> str:
@@ -184,8 +238,10 @@ def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi:
     summary = summary or summarize(run)
     origin, unit, unit_name = _time_axis(run)
     unit_of_batches = next((r["unit"] for r in run.steps if r.get("unit")), "samples")
-    figure = Figure(figsize=(14, 3 * len(_PANELS) + 1), dpi=dpi, layout="constrained")
-    axes = figure.subplots(len(_PANELS), 2, sharex="col", squeeze=False)
+    totals = _totals_series(run)
+    rows = len(_PANELS) + (1 if totals else 0)
+    figure = Figure(figsize=(14, 3 * rows + 1), dpi=dpi, layout="constrained")
+    axes = figure.subplots(rows, 2, sharex="col", squeeze=False)
 
     def by_step(record: dict) -> float | None:
         return finite_number(record.get("step"))
@@ -208,6 +264,14 @@ def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi:
             _annotate_losses(right, summary, origin, unit)
             left.set_title("against optimizer step")
             right.set_title("against wall time (red band: time between processes)")
+    if totals:  # losses, accuracies: what the script's Accumulators summed at each synchronized() block
+        left, right = axes[len(_PANELS)]
+        _draw_totals(left, totals, False, origin, unit)
+        _draw_totals(right, totals, True, origin, unit)
+        _mark_step_axis(left, run, summary, label=False)
+        _mark_time_axis(right, run, summary, origin, unit)
+        left.set_ylabel("your totals (Accumulator)")
+        _legend(left)
     axes[-1][0].set_xlabel("optimizer step")
     axes[-1][1].set_xlabel(f"wall time since the first record ({unit_name})")
     figure.suptitle(_title(run, summary), color=_LOSS_COLOR if summary.progress_losses else None)
