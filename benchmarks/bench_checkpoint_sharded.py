@@ -7,6 +7,8 @@ repetition, in alternating order, times on the training loop's side:
 * ``sync``: ``save_all_states()`` (every rank writes its shards; rank 0 publishes);
 * ``async blocked``: how long ``save_all_states(blocking=False)`` blocks the loop (agreement + CPU staging);
   the background write is then waited for (``async total``: until published);
+* ``sync felt``, ``async felt``: what the user feels, the extra time a window of ``--window`` training
+  steps takes when a checkpoint starts at its first step, against the same window without one;
 * ``torch.save full``: gather the full state to rank 0 (``full_state_dict=True, cpu_offload=True``) and
   ``torch.save`` + fsync it there: the usual unsharded way.
 
@@ -211,6 +213,27 @@ def worker(args: argparse.Namespace) -> None:
                 saves[key]()
             if rep < 0:
                 samples.clear()
+        # What the user feels: a window of training steps with a checkpoint started at its first step,
+        # against the same window without one (the difference is the training time the checkpoint cost,
+        # whatever it blocked).
+        def window(kind: str | None, steps: int = args.window) -> float:
+            def run() -> None:
+                if kind == "sync":
+                    states.save_all_states()
+                elif kind is not None:
+                    states.save_all_states(blocking=False)
+                for _ in range(steps):
+                    step(model, optimizer)
+                states.wait_for_pending_save()
+            return timed(run)
+
+        for rep in range(-1, args.reps):
+            for kind in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+                base = window(None)
+                felt = window(kind) - base
+                if rep >= 0:
+                    record(f"{kind} felt", felt)
+                    record("window without checkpoint", base)
         for _ in range(args.reps):
             restart()
             model2, optimizer2 = build(seed=9)
@@ -256,7 +279,8 @@ def launch(script_args: list[str], nproc: int, env: dict[str, str], timeout: flo
     subprocess.run(cmd, env=env, check=True, timeout=timeout)
 
 
-RATIOS = (("async blocked", "sync"), ("sync", "torch.save full"), ("async blocked", "torch.save full"),
+RATIOS = (("async felt", "sync felt"), ("async felt", "async blocked"),
+          ("async blocked", "sync"), ("sync", "torch.save full"), ("async blocked", "torch.save full"),
           ("async total", "sync"), ("load 2->1", "load 2->2"), ("load 2->3", "load 2->2"),
           ("ddp dcp save", "ddp store save"), ("ddp dcp async blocked", "ddp store async blocked"),
           ("ddp dcp load", "ddp store load"))
@@ -266,6 +290,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~2.5M parameters instead of ~10M")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (default 3)")
+    parser.add_argument("--window", type=int, default=8,
+                        help="training steps in each window of the felt-cost measurement (default 8)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="JSON output path")
     parser.add_argument("--phase", choices=("save", "load"), help=argparse.SUPPRESS)
@@ -279,7 +305,8 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", ADAPTIVE_CHECKPOINT_INTERVAL="0", ADAPTIVE_CHECKPOINT_KEEP="2",
                ADAPTIVE_SHARE_PATH=str(directory / "share"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    common = ["--reps", str(args.reps), "--workdir", str(directory)] + (["--quick"] if args.quick else [])
+    common = (["--reps", str(args.reps), "--window", str(args.window), "--workdir", str(directory)]
+              + (["--quick"] if args.quick else []))
     try:
         launch(["--phase", "save", *common], 2, env, timeout=1800)
         for world in (1, 3):

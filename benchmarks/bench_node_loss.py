@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
-from elastic_harness import WORKER, progress, resume_records  # noqa: E402
+from elastic_harness import WORKER, live_pids, progress, resume_records  # noqa: E402
 
 from scheduler.cluster import make_allocation  # noqa: E402
 from scheduler.executor import Executor, JobSpec  # noqa: E402
@@ -98,18 +98,6 @@ def process_tree(pid: int) -> list[int]:
         return [pid] + [c.pid for c in root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-def alive(pids: list[int]) -> list[int]:
-    """The processes of ``pids`` that still run (zombies do not)."""
-    running = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return running
 
 
 def trial(per_node: int, tmp: Path) -> dict:
@@ -172,15 +160,15 @@ def trial(per_node: int, tmp: Path) -> dict:
                 if rank0.get("pid") not in first_pids and rank0.get("pid") is not None:
                     marks["first_step"] = now
                 if orphans_at_check is None and now - marks["loss"] >= ORPHAN_CHECK:
-                    orphans_at_check = alive(lost_tree)
+                    orphans_at_check = live_pids(lost_tree)
                 time.sleep(0.02)
             if orphans_at_check is None:
                 time.sleep(max(0.0, marks["loss"] + ORPHAN_CHECK - time.monotonic()))
-                orphans_at_check = alive(lost_tree)
+                orphans_at_check = live_pids(lost_tree)
             status = ex.status()[0]
         finally:
             ex.shutdown(timeout=30)
-        orphans_at_end = alive(lost_tree)
+        orphans_at_end = live_pids(lost_tree)
         for pid in orphans_at_end:  # ours (started through the backend): do not leave them running
             os.kill(pid, signal.SIGKILL)
     result = {part: round(marks[part] - marks["loss"], 2) for part in PARTS if part in marks}

@@ -84,6 +84,7 @@ class Script:
     lr_exact: bool = True  # the LR schedule is a function of the step counts only
     partial_last_epoch: bool = False  # ``--max-steps`` ends the job inside its last epoch
     sizes: tuple[tuple[str, int], ...] = ()  # samples in each loop's dataset
+    replay_exact: bool = False  # a step trained again after a crash gets the very loss it got the first time
 
     @property
     def dataset_sizes(self) -> dict[str, int]:
@@ -609,6 +610,25 @@ def check_job(run: CorpusRun, reference: CorpusRun, where: str, *, graceful: boo
         assert_steps_continue(run.script, by_attempt, where)
     assert_exact_samples(run.script, steps, where)
     assert_like_reference(run, reference, where)
+    if run.script.replay_exact:
+        assert_replayed_exactly(run.script, steps, rolled_back, where)
+
+
+def assert_replayed_exactly(script: Script, steps: list[dict], rolled_back: list[dict], where: str) -> None:
+    """Every step trained again after a rollback (same replicas) got the same samples and the same loss,
+    bit for bit: the random generators were restored with the model (dropout draws the same masks)."""
+    kept = {(_position(script, r), r["rank"], r["world"]): r for r in steps}
+    compared = 0
+    for first in rolled_back:
+        again = kept.get((_position(script, first), first["rank"], first["world"]))
+        if again is None:
+            continue
+        assert again["idx"] == first["idx"], f"{where}: step {_position(script, first)} trained other samples again"
+        assert again["loss"] == first["loss"], \
+            f"{where}: step {_position(script, first)} on rank {first['rank']} replayed with loss {again['loss']!r}, " \
+            f"first {first['loss']!r}: the replay is not bit-identical"
+        compared += 1
+    assert compared or not rolled_back, f"{where}: no replayed step to compare"
 
 
 # ---------------------------------------------------------------------- the corpus
@@ -634,7 +654,7 @@ PORTS: dict[str, Script] = {
         # PyTorch's torchrun tutorial: a next(iter(loader)) peek every epoch, its own snapshot, dropout
         "tutorial", "torchrun_tutorial.py", ("4", "1", "--batch_size", "32", "--size", "1024"), 4, ("train",),
         drop_last=frozenset({"train"}), exact=("n",), close=(Ratio("loss_sum", "n", **_LOSS),),
-        sizes=(("train", 1024),)),
+        sizes=(("train", 1024),), replay_exact=True),
     "dcgan": Script(
         # GAN losses swing by 2x from run to run: only the sample count is compared
         "dcgan", "dcgan.py", ("--epochs", "4"), 4, ("train",), models=("netD", "netG"), exact=("n",),

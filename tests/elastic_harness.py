@@ -81,6 +81,20 @@ def wait_exit(proc: subprocess.Popen, timeout: float, log: Path) -> int:
         raise AssertionError(f"job did not finish within {timeout:.0f} s; log:\n{tail(log)}") from None
 
 
+def live_pids(pids) -> list[int]:
+    """The processes of ``pids`` that still run (a zombie has ended: it only waits to be reaped)."""
+    import psutil
+
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
 def tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -11,7 +11,7 @@ import portpicker
 import pytest
 
 from adaptive.batchsize.hints import read_hints
-from elastic_harness import (Jobs, assert_exact_counts, assert_resumed, assert_resumed_newest, assert_state_applied,
+from elastic_harness import (Jobs, assert_exact_counts, live_pids, assert_resumed, assert_resumed_newest, assert_state_applied,
                              assert_stopped_gracefully, exit_codes, newest_checkpoint_step, progress,
                              resume_records, store, tail, wait_exit, wait_for)
 
@@ -191,7 +191,7 @@ def test_a_killed_peer_is_one_line_per_survivor_without_tracebacks(jobs, tmp_pat
     survivors = [progress(out, rank)["pid"] for rank in (0, 1)]
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_for(lambda: not any(_running(pid) for pid in survivors), 30, "the survivors to exit")
+    wait_for(lambda: not live_pids(survivors), 30, "the survivors to exit")
     exit_seconds = time.monotonic() - killed_at
     assert wait_exit(proc, 240, out / "job.log") == 0, tail(out / "job.log")
     log = (out / "job.log").read_text()
@@ -200,12 +200,3 @@ def test_a_killed_peer_is_one_line_per_survivor_without_tracebacks(jobs, tmp_pat
     assert 1 <= len(lines) <= 2 and all("exiting without writing a checkpoint" in line for line in lines), lines
     assert_exact_counts(out, 2, out / "job.log")
     print(f"survivors exited {exit_seconds:.2f} s after the kill ({loader_workers} DataLoader worker(s) each)")
-
-
-def _running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -26,7 +26,7 @@ from adaptive.checkpoint.generation import (GENERATION_FILE, LOCK_FILE, Generati
                                             newest_generation)
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.elastic import sync_points
-from elastic_harness import Jobs, progress, tail, wait_exit, wait_for
+from elastic_harness import Jobs, live_pids, progress, tail, wait_exit, wait_for
 
 STALE = sync_points.STALE_GENERATION_EXIT_CODE
 
@@ -224,17 +224,6 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 LAUNCH = ["--standalone", "--nproc-per-node=2"]
 
 
@@ -270,8 +259,8 @@ def test_a_frozen_incarnation_wakes_up_stale_publishes_nothing_and_exits(tmp_pat
         assert time.monotonic() - woke < 30
         assert "generation 1 of this job is stale: generation 2 took over the checkpoint folder" in log, log[-3000:]
         assert _snapshot(ckpt) == before  # published nothing, changed nothing
-        wait_for(lambda: not _alive(frozen), 10, f"every process of the first incarnation to be gone: "
-                                                 f"{_alive(frozen)}")
+        wait_for(lambda: not live_pids(frozen), 10, f"every process of the first incarnation to be gone: "
+                                                 f"{live_pids(frozen)}")
         third = jobs.launch(LAUNCH, tmp_path / "third", "log.txt", **env)
         assert wait_exit(third, 120, tmp_path / "third" / "log.txt") == 0
         assert "all 6 epochs already finished" in (tmp_path / "third" / "log.txt").read_text()
@@ -298,8 +287,8 @@ def test_of_two_incarnations_running_at_once_only_the_newer_publishes(tmp_path: 
         took_over = time.time()
         assert wait_exit(older, 30, tmp_path / "older" / "log.txt") == STALE
         assert "generation 1 of this job is stale: generation 2" in (tmp_path / "older" / "log.txt").read_text()
-        wait_for(lambda: not _alive(older_pids), 10, f"the older incarnation's processes to be gone: "
-                                                     f"{_alive(older_pids)}")
+        wait_for(lambda: not live_pids(older_pids), 10, f"the older incarnation's processes to be gone: "
+                                                     f"{live_pids(older_pids)}")
         assert wait_exit(newer, 240, tmp_path / "newer" / "log.txt") == 0
     finally:
         jobs.cleanup()

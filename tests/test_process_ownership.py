@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from adaptive.elastic.process_tree import kill_process_tree
-from elastic_harness import REPO, WORKER, progress, tail, wait_for
+from elastic_harness import REPO, WORKER, live_pids, progress, tail, wait_for
 from scheduler.executor import Assignment, JobSpec
 from scheduler.executor.local import LocalBackend
 
@@ -39,18 +39,6 @@ def _env(out: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
 
 
-def _live(pids: list[int]) -> list[int]:
-    """The PIDs that still run (a zombie has ended: it only waits to be reaped)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 def _training_tree(root: int, out: Path, log: Path) -> list[int]:
     """Wait until both workers train with their DataLoader workers; every PID under ``root`` (root included)."""
     wait_for(lambda: (progress(out, 1) or {}).get("step", 0) >= 2, 120, f"both workers to train\n{tail(log)}")
@@ -65,9 +53,9 @@ def _training_tree(root: int, out: Path, log: Path) -> list[int]:
 def _assert_all_gone(pids: list[int], log: Path, what: str) -> float:
     started = time.monotonic()
     try:
-        wait_for(lambda: not _live(pids), GONE_WITHIN, f"every process of the incarnation to end after {what}")
+        wait_for(lambda: not live_pids(pids), GONE_WITHIN, f"every process of the incarnation to end after {what}")
     except AssertionError:
-        orphans = _live(pids)
+        orphans = live_pids(pids)
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"{len(orphans)} orphan(s) after {what}: {orphans}\n{tail(log)}") from None

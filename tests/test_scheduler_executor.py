@@ -13,9 +13,10 @@ from scheduler.cluster import ClusterSpec, make_allocation
 from scheduler.executor import (Assignment, Backend, Executor, JobSpec, JobState, LocalBackend, Spool,
                                 load_job_spec)
 from scheduler.executor.__main__ import main as executor_main
-from scheduler.executor.executor import LOST_NODE_EXIT
+from scheduler.executor.backend import LOST_NODE_EXIT
 from scheduler.policies import TiresiasPolicy
 from scheduler.policies.base import Policy
+from policy_cases import ScriptedPolicy
 from scheduler.supervisor.state import SupervisorState
 
 
@@ -197,20 +198,6 @@ def test_hints_files_are_read_into_the_state(tmp_path):
 
 
 # ------------------------------------------------------ nodes that come and go
-class ScriptedPolicy(Policy):
-    """Test policy: the allocations ``plan(active job names, number of nodes)`` dictates."""
-
-    name = "scripted"
-    adaptive = False
-
-    def __init__(self, plan):
-        self.plan = plan
-
-    def optimize(self, jobs, cluster, current, now):
-        plan = self.plan(set(jobs), cluster.num_nodes)
-        return {name: make_allocation(plan[name]) for name in jobs if name in plan}
-
-
 class NodeHandle:
     def __init__(self, name, assignment):
         self.name, self.assignment, self.code, self.stopping = name, assignment, None, False

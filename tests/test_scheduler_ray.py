@@ -29,10 +29,10 @@ from adaptive.checkpoint.store import CheckpointStore  # noqa: E402
 from elastic_harness import assert_exact_counts, epoch_records, progress, resume_records, tail, wait_for  # noqa: E402
 from scheduler.cluster import make_allocation  # noqa: E402
 from scheduler.executor import Assignment, Executor, JobSpec, JobState  # noqa: E402
-from scheduler.executor.executor import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT  # noqa: E402
+from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT  # noqa: E402
 from scheduler.executor.ray_backend import Phase, RayBackend  # noqa: E402
 from scheduler.executor.ray_pool import RayPool  # noqa: E402
-from scheduler.policies.base import Policy  # noqa: E402
+from policy_cases import ScriptedPolicy  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -292,20 +292,6 @@ def test_early_failure_is_reported_once_with_the_end_of_its_output(cluster, tmp_
     assert status["state"] == "failed" and status["failures"] == 2 and status["infra_failures"] == 0, status
     assert status["last_exit"] == 2
     assert "No module named 'tain'" in status["last_error"] and "--- node" in status["last_error"], status
-
-
-class ScriptedPolicy(Policy):
-    """Test policy: the allocations ``plan(active job names, number of nodes)`` dictates."""
-
-    name = "scripted"
-    adaptive = False
-
-    def __init__(self, plan):
-        self.plan = plan
-
-    def optimize(self, jobs, cluster, current, now):
-        plan = self.plan(set(jobs), cluster.num_nodes)
-        return {name: make_allocation(plan[name]) for name in jobs if name in plan}
 
 
 # (last of the fast tests: the node it removes is listed as alive by Ray for a while after)

@@ -47,7 +47,7 @@ from typing import Any
 from adaptive._utils.files import read_json
 from scheduler.allocator import Allocator
 from scheduler.cluster import Allocation, ClusterSpec, make_allocation
-from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend
+from scheduler.executor.backend import LOST_NODE_EXIT, Assignment, Backend
 from scheduler.executor.jobspec import JobSpec
 from scheduler.policies.base import Policy
 from scheduler.supervisor.state import SupervisorState

@@ -96,13 +96,15 @@ def progress(epoch: int | None, loop: str, step: int | None = None) -> None:
                  "attempt": attempt(), "time": time.time()})
 
 
-def step(epoch: int, loop: str, loader: Any, index: torch.Tensor) -> None:
-    """Record the samples of this step (``index``: what the dataset returned as indices)."""
+def step(epoch: int, loop: str, loader: Any, index: torch.Tensor, **values: float) -> None:
+    """Record the samples of this step (``index``: what the dataset returned as indices), and ``values``
+    such as the step's loss (the tests compare them between a run and its replay)."""
     if OUT is None:
         return
     _append(_path("samples", "jsonl"), {"epoch": epoch, "loop": loop, "step": loader.step, "world": _world(),
                                          "time": time.time(),
-                                         "idx": [int(i) for i in index.reshape(-1).tolist()]})
+                                         "idx": [int(i) for i in index.reshape(-1).tolist()],
+                                         **{key: float(value) for key, value in values.items()}})
     progress(epoch, loop, loader.step)
     if STEP_SLEEP.get(loop):
         time.sleep(STEP_SLEEP[loop])

@@ -81,7 +81,7 @@ class Trainer:
             loss = self._run_batch(source, targets)
             stats["n"] += len(index)
             stats["loss_sum"] += loss.item() * len(index)
-            probe.step(epoch, "train", self.train_data, index)
+            probe.step(epoch, "train", self.train_data, index, loss=loss.item())
         with stats.synchronized():
             probe.totals(epoch, "train", stats)
 
