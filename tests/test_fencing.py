@@ -26,6 +26,7 @@ from adaptive.checkpoint.generation import (GENERATION_FILE, LOCK_FILE, Generati
                                             newest_generation)
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.elastic import sync_points
+from adaptive.elastic.process_tree import descendants
 from elastic_harness import Jobs, live_pids, progress, tail, wait_exit, wait_for
 
 STALE = sync_points.STALE_GENERATION_EXIT_CODE
@@ -209,11 +210,7 @@ def test_a_sharded_save_of_a_stale_job_is_refused_before_any_shard_is_written(jo
 
 
 def _tree(pid: int) -> list[int]:
-    try:
-        root = psutil.Process(pid)
-        return [pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
+    return [pid, *(process.pid for process in descendants(pid))] if psutil.pid_exists(pid) else []
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -275,7 +272,7 @@ def test_of_two_incarnations_running_at_once_only_the_newer_publishes(tmp_path: 
     """A partition: the older incarnation stops at its next agreement; from then on only the newer publishes."""
     jobs = Jobs(tmp_path)
     ckpt = tmp_path / "ckpt"
-    env = _common(ckpt, WORKER_EPOCHS="8", WORKER_STEP_SLEEP="0.1", ADAPTIVE_CHECKPOINT_INTERVAL="0.5",
+    env = _common(ckpt, WORKER_EPOCHS="8", WORKER_STEP_SLEEP="0.3", ADAPTIVE_CHECKPOINT_INTERVAL="0.5",
                   WORKER_LOADER_WORKERS="1")
     try:
         older = jobs.launch(LAUNCH, tmp_path / "older", "log.txt", **env)

@@ -33,7 +33,7 @@ import signal
 import psutil
 
 __all__ = ["PARENT_PID_VAR", "bind_to_parent", "child_environment", "set_death_signal", "become_subreaper",
-           "kill_process_tree", "descendants"]
+           "kill_group_and_tree", "kill_process_tree", "descendants"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,22 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def kill_group_and_tree(leader: int) -> int:
+    """SIGKILL the process group led by ``leader`` and every descendant of ``leader``; returns at once.
+
+    The descendants are read before any signal is sent, so those that the
+    group kill orphans (torchrun's workers live in sessions of their own) are
+    still reached. Returns how many descendants were signalled.
+    """
+    below = descendants(leader)
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _send(below, signal.SIGKILL)
+    return len(below)
+
+
 def kill_process_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 30.0,
                       include_root: bool = True) -> None:
     """Send ``sig`` to ``pid`` (unless ``include_root`` is False) and all its descendants.
@@ -130,12 +146,16 @@ def kill_process_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 30.0
         processes = ([root] if include_root else []) + root.children(recursive=True)
     except psutil.NoSuchProcess:
         return
+    _send(processes, sig)
+    if sig == signal.SIGKILL:
+        _, alive = psutil.wait_procs(processes, timeout=timeout)
+        for process in alive:
+            logger.warning("process %d survived SIGKILL for %.0f s", process.pid, timeout)
+
+
+def _send(processes: list[psutil.Process], sig: int) -> None:
     for process in processes:
         try:
             process.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    if sig == signal.SIGKILL:
-        _, alive = psutil.wait_procs(processes, timeout=timeout)
-        for process in alive:
-            logger.warning("process %d survived SIGKILL for %.0f s", process.pid, timeout)

@@ -109,7 +109,8 @@ class RandomState(states.State):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._saved = list(state["ranks"])
-        meta = dict((states.resumed_checkpoint().info.metadata or {}) if states.resumed_checkpoint() else {})
+        resumed = states.resumed_checkpoint()  # (loading implies one: the state came from it)
+        meta = (resumed.info.metadata or {}) if resumed is not None else {}
         self._restore_at = "epoch" if meta.get("epoch_finished") or meta.get("training_ended") else "loop"
 
     def restore(self, where: str) -> None:

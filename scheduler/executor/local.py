@@ -27,8 +27,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import psutil
-
 from adaptive.elastic import process_tree
 from scheduler.executor.backend import Assignment, Backend, exit_status, read_tail
 from scheduler.executor.jobspec import JobSpec
@@ -96,13 +94,8 @@ class LocalBackend(Backend):
         self._signal(handle, signal.SIGTERM)
 
     def kill(self, handle: LocalHandle) -> None:
-        below = process_tree.descendants(handle.pid)  # read first: the group kill orphans them
-        self._signal(handle, signal.SIGKILL)
-        for process in below:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+        killed = process_tree.kill_group_and_tree(handle.pid)
+        logger.debug("sent SIGKILL to process group %d and %d process(es) below it", handle.pid, killed)
 
     def log_tail(self, handle: LocalHandle, lines: int = 20) -> str:
         """The last ``lines`` lines of the incarnation's log (empty if it cannot be read)."""

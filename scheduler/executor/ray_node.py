@@ -19,8 +19,6 @@ import socket
 import subprocess
 import sys
 
-import psutil
-
 from adaptive.elastic import process_tree
 from scheduler.executor.backend import exit_status
 from scheduler.executor.ray_import import import_ray
@@ -73,15 +71,13 @@ class NodeLauncher:
         to its workers); SIGKILL goes to every process below the guard as well, read before any dies."""
         if self._process is None:
             return
-        below = process_tree.descendants(self._process.pid) if signum == signal.SIGKILL else []
-        try:
-            os.killpg(self._process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for process in below:
+        below = 0
+        if signum == signal.SIGKILL:
+            below = process_tree.kill_group_and_tree(self._process.pid)
+        else:
             try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+                os.killpg(self._process.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                return
         logger.info("sent %s to process group %d%s", signal.Signals(signum).name, self._process.pid,
-                    f" and {len(below)} process(es) below it" if below else "")
+                    f" and {below} process(es) below it" if below else "")
