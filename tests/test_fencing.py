@@ -269,19 +269,28 @@ def test_a_frozen_incarnation_wakes_up_stale_publishes_nothing_and_exits(tmp_pat
 
 @pytest.mark.distributed
 def test_of_two_incarnations_running_at_once_only_the_newer_publishes(tmp_path: Path) -> None:
-    """A partition: the older incarnation stops at its next agreement; from then on only the newer publishes."""
+    """A partition: the older incarnation stops at its next agreement; from then on only the newer publishes.
+
+    The older incarnation trains epoch 0 (checkpointing as it goes), then each of its steps waits at a gate
+    that opens only once the newer incarnation has taken its generation, so it is certainly still training
+    when it is fenced, however slowly the newer one starts on a loaded machine.
+    """
     jobs = Jobs(tmp_path)
     ckpt = tmp_path / "ckpt"
-    env = _common(ckpt, WORKER_EPOCHS="8", WORKER_STEP_SLEEP="0.3", ADAPTIVE_CHECKPOINT_INTERVAL="0.5",
+    gate = tmp_path / "older-may-go-on"
+    env = _common(ckpt, WORKER_EPOCHS="8", WORKER_STEP_SLEEP="0.05", ADAPTIVE_CHECKPOINT_INTERVAL="0.5",
                   WORKER_LOADER_WORKERS="1")
     try:
-        older = jobs.launch(LAUNCH, tmp_path / "older", "log.txt", **env)
-        wait_for(lambda: CheckpointStore(ckpt).list(), 120,
-                 f"the older incarnation to checkpoint\n{tail(tmp_path / 'older/log.txt')}")
+        older = jobs.launch(LAUNCH, tmp_path / "older", "log.txt",
+                            **dict(env, WORKER_GATE=str(gate), WORKER_GATE_EPOCH="1"))
+        wait_for(lambda: CheckpointStore(ckpt).list() and (tmp_path / "older" / "epochs.jsonl").exists(), 120,
+                 f"the older incarnation to checkpoint and finish epoch 0\n{tail(tmp_path / 'older/log.txt')}")
         older_pids = _tree(older.pid)
         newer = jobs.launch(LAUNCH, tmp_path / "newer", "log.txt", **dict(env, WORKER_STEP_SLEEP="0.02"))
         wait_for(lambda: getattr(newest_generation(ckpt), "number", 0) == 2, 60, "the newer incarnation to start")
         took_over = time.time()
+        assert older.poll() is None, "the older incarnation must still be training when it is fenced"
+        gate.touch()
         assert wait_exit(older, 30, tmp_path / "older" / "log.txt") == STALE
         assert "generation 1 of this job is stale: generation 2" in (tmp_path / "older" / "log.txt").read_text()
         wait_for(lambda: not live_pids(older_pids), 10, f"the older incarnation's processes to be gone: "
