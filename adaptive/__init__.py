@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from adaptive._utils.lazy import lazy_exports
-from adaptive.elastic import process_tree as _process_tree
+from adaptive.runtime import process_tree as _process_tree
 
 __version__ = "0.2.0"
 
@@ -34,7 +34,7 @@ _EXPORTS = {
     "AdaptiveDataParallel": "adaptive.parallel.data_parallel",
     "AdaptiveFSDP": "adaptive.parallel.fully_sharded",
     "CheckpointError": "adaptive.checkpoint.store",
-    "CollectiveError": "adaptive.elastic.collectives",
+    "CollectiveError": "adaptive.runtime.errors",
     "ConstantSchedule": "adaptive.batchsize.rampup",
     "LinearRampup": "adaptive.batchsize.rampup",
     "OversizeSampleError": "adaptive.data.tokens.lengths",
@@ -42,10 +42,10 @@ _EXPORTS = {
     "ShardedState": "adaptive.checkpoint.states",
     "State": "adaptive.checkpoint.states",
     "current_epoch": "adaptive.elastic.epoch",
-    "env": "adaptive.elastic.env",
+    "env": "adaptive.runtime.env",
     "finish_training": "adaptive.elastic.epoch",
     "finished_epochs": "adaptive.elastic.epoch",
-    "init_process_group": "adaptive.elastic.collectives",
+    "init_process_group": "adaptive.runtime.collectives",
     "load_state": "adaptive.checkpoint.states",
     "remaining_epochs_until": "adaptive.elastic.epoch",
     "request_stop": "adaptive.elastic.sync_points",
@@ -63,7 +63,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
 
 # A training worker that adaptive-run started dies with it (SIGKILL from the kernel), whatever kills
 # the launcher: torchrun's workers live in sessions of their own, out of reach of a signal to the
-# launcher's process group.  Nothing happens outside adaptive-run (see adaptive.elastic.process_tree).
+# launcher's process group.  Nothing happens outside adaptive-run (see adaptive.runtime.process_tree).
 _process_tree.bind_to_parent()
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
@@ -72,9 +72,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from adaptive.checkpoint.store import CheckpointError
     from adaptive.data.dataloader import AdaptiveDataLoader
     from adaptive.data.tokens.lengths import OversizeSampleError
-    from adaptive.elastic import env
+    from adaptive.runtime import env
     from adaptive.elastic.accumulator import Accumulator
-    from adaptive.elastic.collectives import CollectiveError, init_process_group
+    from adaptive.runtime.collectives import CollectiveError, init_process_group
     from adaptive.elastic.epoch import (current_epoch, finish_training, finished_epochs, remaining_epochs_until,
                                         training_finished)
     from adaptive.elastic.sync_points import request_stop

@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import adaptive
     from adaptive.checkpoint import states
-    from adaptive.elastic.job import current_job, reset_job
+    from adaptive.runtime.job import current_job, reset_job
 
     adaptive.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

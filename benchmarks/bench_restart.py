@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
-from adaptive.elastic.process_tree import kill_process_tree  # noqa: E402
+from adaptive.runtime.process_tree import kill_process_tree  # noqa: E402
 
 WORKER = HERE / "workers" / "restart_worker.py"
 PHASES = ["detection", "restart", "import torch", "init", "checkpoint load", "first step", "total"]

@@ -5,7 +5,7 @@
 
 Every process trains, in turn, with :class:`adaptive.AdaptiveDataParallel`
 (DDP) and :class:`adaptive.AdaptiveFSDP` (FSDP2), one job context per phase
-(``adaptive.elastic.job.reset_job()`` in between, a checkpoint directory of
+(``adaptive.runtime.job.reset_job()`` in between, a checkpoint directory of
 its own, no checkpoint saved mid-run):
 
 1. **gradients** (fp32, TF32 off): one optimizer step of 2 micro-steps of the
@@ -162,7 +162,7 @@ def _summed_loss(model, ids: torch.Tensor) -> torch.Tensor:
 def check_gradients(kind: str, cfg: Config) -> dict:
     """One accumulated step through the loader against the one-process gradient of its samples."""
     import adaptive
-    from adaptive.elastic import collectives
+    from adaptive.runtime import collectives
 
     device = _device(cfg)
     torch.manual_seed(0)
@@ -351,8 +351,8 @@ def _worker(rank: int, cfg: Config, port: int, out: str, started: float) -> None
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world))
     import adaptive
-    from adaptive.elastic import collectives
-    from adaptive.elastic.job import reset_job
+    from adaptive.runtime import collectives
+    from adaptive.runtime.job import reset_job
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     adaptive.init_process_group(backend, timeout=cfg.collective_timeout)
@@ -384,7 +384,7 @@ def _worker(rank: int, cfg: Config, port: int, out: str, started: float) -> None
 # ---------------------------------------------------------------- parent
 def _run_workers(cfg: Config, out: str) -> str | None:
     """Start one process per GPU (or CPU replica); None when all exited cleanly, else what went wrong."""
-    from adaptive.elastic.process_tree import kill_process_tree
+    from adaptive.runtime.process_tree import kill_process_tree
 
     started = time.time() - (time.monotonic() - START)  # wall clock at START, for the workers' progress lines
     context = mp.start_processes(_worker, args=(cfg, portpicker.pick_unused_port(), out, started),

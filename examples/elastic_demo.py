@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "linear_regression.py")

@@ -20,7 +20,7 @@ _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def restart_process_state() -> None:
     """Forget everything a job process holds in memory, as if the process restarted."""
-    from adaptive.elastic.job import reset_job
+    from adaptive.runtime.job import reset_job
 
     reset_job()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from adaptive.checkpoint.store import CheckpointInfo, CheckpointStore
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 from workers.worker_common import state_digest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -30,9 +30,10 @@ import torch.distributed as dist
 import adaptive
 from adaptive.checkpoint import _dcp_io, _format, _saving, _staging, states
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
-from adaptive.elastic import env, sync_points
-from adaptive.elastic.job import current_job, reset_job
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime import env
+from adaptive.elastic import sync_points
+from adaptive.runtime.job import current_job, reset_job
+from adaptive.runtime.process_tree import kill_process_tree
 from workers.sharded_ckpt_common import FSDPState, assert_equal_states, build, full_state, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -337,10 +338,10 @@ def test_periodic_saves_are_asynchronous_by_setting(group: Path, monkeypatch: py
         env.async_checkpoint()
     calls: list[dict] = []
     monkeypatch.setattr(states, "save_all_states", lambda info, **kw: calls.append(kw))
-    current_job().agreement.decided[:] = [0.0, 1.0]
+    current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
     monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", "1")
     sync_points._act(dict)
-    current_job().agreement.decided[:] = [0.0, 1.0]
+    current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
     monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", "0")
     sync_points._act(dict)
     assert calls == [{"blocking": False}, {"blocking": True}]

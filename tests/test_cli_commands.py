@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 from elastic_harness import (REPO, assert_exact_counts, assert_resumed, progress, resume_records, store, tail,
                              wait_for)
 from scheduler.supervisor import SupervisorClient, SupervisorState

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from adaptive.elastic import collectives
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime import collectives
+from adaptive.runtime.process_tree import kill_process_tree
 from elastic_harness import REPO, tail, wait_for
 
 
@@ -73,7 +73,7 @@ def test_a_peer_failure_in_the_users_own_collective_ends_the_script_with_one_lin
     peer = subprocess.run([sys.executable, str(script), "peer"], capture_output=True, text=True, timeout=120, env=env)
     assert peer.returncode == 1
     assert "Traceback" not in peer.stderr and "finish_training" not in peer.stderr, peer.stderr
-    assert ("adaptive.elastic.peer_failure: rank 0: a peer replica failed (RuntimeError: Read error "
+    assert ("adaptive.runtime.peer_failure: rank 0: a peer replica failed (RuntimeError: Read error "
             "[127.0.0.1]:1234: Connection reset by peer); exiting without writing a checkpoint") in peer.stderr
     bug = subprocess.run([sys.executable, str(script), "bug"], capture_output=True, text=True, timeout=120, env=env)
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: a bug in the script" in bug.stderr

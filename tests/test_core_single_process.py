@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import adaptive
-from adaptive.elastic import env
+from adaptive.runtime import env
 from adaptive.elastic import sync_points
 from conftest import restart_process_state
 
@@ -304,7 +304,7 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
     AGREEMENT_INTERVAL seconds, at the spacing the slowest replica proposes,
     and a stop is still acted on within two agreements (two replicas faked:
     the other one proposes ``peer`` boundaries; the clock is fake)."""
-    from adaptive.elastic import collectives
+    from adaptive.runtime import collectives
 
     clock = {"now": 0.0}
     peer = {"spacing": 1000}

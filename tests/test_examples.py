@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from adaptive.checkpoint.store import CheckpointStore
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
 

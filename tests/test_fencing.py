@@ -26,7 +26,7 @@ from adaptive.checkpoint.generation import (GENERATION_FILE, LOCK_FILE, Generati
                                             newest_generation)
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.elastic import sync_points
-from adaptive.elastic.process_tree import descendants
+from adaptive.runtime.process_tree import descendants
 from elastic_harness import Jobs, live_pids, progress, tail, wait_exit, wait_for
 
 STALE = sync_points.STALE_GENERATION_EXIT_CODE

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from adaptive.batchsize.gns import GradientNoiseScale
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 from test_gns import D1, LOCAL_BSZ, TOLERANCE, Problem, relative_error
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"

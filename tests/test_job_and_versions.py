@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,10 @@ import adaptive
 from adaptive.checkpoint import states
 from adaptive.checkpoint.versions import StateFormatError, upgrade
 from adaptive.elastic import sync_points
-from adaptive.elastic.job import current_job, reset_job
+from adaptive.parallel._training import TrainedModels, trained_models
+from adaptive.runtime.job import current_job, reset_job
+from adaptive.runtime.step import StepContext, current_step
+from adaptive.runtime.step import stream as step_stream
 from conftest import Indices, restart_process_state
 
 
@@ -18,14 +23,31 @@ def _model() -> adaptive.AdaptiveDataParallel:
     return adaptive.AdaptiveDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
 
-def test_the_loader_and_the_model_reach_each_other_through_the_job(job):
+def test_the_loader_publishes_each_micro_step_and_the_models_are_on_the_job(job):
     model = _model()
     loader = adaptive.AdaptiveDataLoader(Indices(8), batch_size=4)
-    training = current_job().training
-    assert training.model is model and model in training.models and training.loop is None
+    loader.autoscale_batch_size(8, (1, 2), gradient_accumulation=True)  # 4 = 2 x 2 micro-steps on one replica
+    models = trained_models()
+    assert models.latest is model and model in models.every and step_stream().loop is None
+    seen = []
     for _ in loader:
-        assert training.loop is loader
-    assert training.loop is None
+        context = current_step()
+        assert step_stream().loop == loader.name and adaptive.data.current_dataloader() is loader
+        assert isinstance(context, StepContext) and context.loader == loader.name
+        assert (context.micro_step, context.num_micro_steps) == loader.micro_step
+        assert context.planned_size == loader.batch_size and context.init_batch_size == 4
+        assert context.loss_weight == loader.loss_weight and context.lr_scaling == "auto"
+        model(torch.ones(2, 1)).sum().backward()  # the wrapper reads the step at its forward
+        model.optimizer.step()
+        assert model.gns.config is not None and model.gns.config.accum_steps == context.num_micro_steps
+        assert model.require_backward_grad_sync is False  # one replica: nothing to reduce
+        seen.append((context.index, context.micro_step, context.is_accumulation_step))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            context.size = 0  # one immutable message per micro-step
+    assert step_stream().loop is None and current_step() is None
+    assert seen and seen[0][:2] == (0, 0)
+    assert step_stream().steps_committed == loader.step
+    assert step_stream().optimizer_steps == sum(not accumulating for *_, accumulating in seen)  # skipped otherwise
 
 
 def test_reset_forgets_states_agreement_epoch_and_models(job):
@@ -33,10 +55,12 @@ def test_reset_forgets_states_agreement_epoch_and_models(job):
     adaptive.Accumulator()
     sync_points.request_stop()
     old = current_job()
-    assert old.checkpoints.registry and old.agreement.stop_requested and old.training.model is not None
+    assert old.part(states.CheckpointSession).registry and old.part(sync_points.Agreement).stop_requested
+    assert old.part(TrainedModels).latest is not None
     new = reset_job()
     assert new is current_job() and new is not old
-    assert not new.checkpoints.registry and not new.agreement.stop_requested and new.training.model is None
+    assert not new.part(states.CheckpointSession).registry and not new.part(sync_points.Agreement).stop_requested
+    assert new.part(TrainedModels).latest is None
     assert not sync_points.stop_requested() and states.registered_states() == []
 
 

@@ -109,7 +109,7 @@ def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monke
     """Decisions due every step (adapt_every=1) are evaluated only once 100x the last
     evaluation's duration has passed; the hints file follows the evaluations."""
     import adaptive.batchsize.autoscale as autoscale
-    from adaptive.elastic import env
+    from adaptive.runtime import env
 
     monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))
     clock = {"now": 100.0}
@@ -138,7 +138,7 @@ def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monke
 def test_controller_hints_carry_the_completed_fraction(job, monkeypatch, tmp_path):
     """The fraction the loader passes in reaches the hints file; without one it is null."""
     from adaptive.batchsize.hints import read_hints
-    from adaptive.elastic import env
+    from adaptive.runtime import env
 
     monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))
     controller = _controller(job, accumulation=False)

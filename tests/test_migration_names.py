@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import adaptive
-from adaptive.elastic import env
+from adaptive.runtime import env
 from adaptive.batchsize import hints
 from adaptive.observe import metrics
 

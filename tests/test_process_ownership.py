@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from adaptive.elastic.process_tree import kill_process_tree
+from adaptive.runtime.process_tree import kill_process_tree
 from elastic_harness import REPO, WORKER, live_pids, progress, tail, wait_for
 from scheduler.executor import Assignment, JobSpec
 from scheduler.executor.local import LocalBackend

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import adaptive
+from adaptive.elastic import epoch as epoch_module
 from adaptive.elastic import sync_points
 from adaptive.checkpoint.states import resumed_checkpoint
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
@@ -151,10 +152,10 @@ def test_completed_fraction_counts_the_declared_epochs_across_a_restart(job):
 
 def test_completed_fraction_is_none_for_a_loop_that_declares_no_epochs(job):
     from adaptive.elastic.epoch import completed_fraction
-    from adaptive.elastic.job import current_job
+    from adaptive.runtime.job import current_job
 
     assert list(adaptive.remaining_epochs_until(0)) == []
-    progress = current_job().epochs
+    progress = current_job().part(epoch_module.EpochProgress)
     assert progress.total is None and not progress.looping  # forgotten when the loop ends
     progress.looping, progress.total = True, 0  # as inside remaining_epochs_until(0), which yields nothing
     try:

@@ -22,10 +22,11 @@ import torch
 
 import adaptive
 from adaptive.checkpoint import states
-from adaptive.elastic import collectives
-from adaptive.elastic import env
+from adaptive.runtime import collectives
+from adaptive.runtime import env
 from adaptive.elastic import sync_points
-from adaptive.elastic.job import current_job
+from adaptive.runtime.step import stream as step_stream
+from adaptive.runtime.job import current_job
 from adaptive.checkpoint.store import CheckpointStore
 from conftest import Indices, restart_process_state
 
@@ -193,16 +194,16 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
 
     def save(metadata=None, blocking=True):
         saves.append(clock["now"])
-        current_job().checkpoints.save_count += 1
-        current_job().checkpoints.last_save_time = clock["now"]
+        current_job().part(states.CheckpointSession).save_count += 1
+        current_job().part(states.CheckpointSession).last_save_time = clock["now"]
         return len(saves)
 
     monkeypatch.setattr(states, "save_all_states", save)
     monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "1")
-    current_job().agreement.started = clock["now"]
+    current_job().part(sync_points.Agreement).started = clock["now"]
     for _ in range(400):  # 4 s of 10 ms steps
         clock["now"] += 0.01
-        current_job().training.steps_committed += 1  # a step was trained
+        step_stream().steps_committed += 1  # a step was trained
         sync_points.step_boundary(dict)
     gaps = [b - a for a, b in zip(saves, saves[1:])]
     assert 3 <= len(saves) <= 4 and min(gaps) >= 0.99, saves

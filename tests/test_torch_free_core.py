@@ -117,7 +117,7 @@ def test_subpackages_are_reachable_from_import_adaptive():
 
     code = ("import sys, adaptive; assert 'adaptive.parallel' not in sys.modules; "
             "assert adaptive.parallel.sharding_mesh is adaptive.parallel._sharding.sharding_mesh; "
-            "assert adaptive.elastic.env is adaptive.env; print('OK')")
+            "assert adaptive.runtime.env is adaptive.env; print('OK')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive.checkpoint import states
-from adaptive.elastic import collectives
-from adaptive.elastic import env
+from adaptive.runtime import collectives
+from adaptive.runtime import env
 from adaptive.batchsize.goodput import GoodputFunction, PerfParams
 from adaptive.batchsize.hints import CurrentConfig, Hints, post_hints, write_hints
 from adaptive.batchsize.throughput_profile import ThroughputProfile

@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive.batchsize.step_lr_rules import LR_RULES
+from adaptive.batchsize.step_lr_rules import LR_RULES, step_lr_factor
+from adaptive.runtime.step import StepContext
 
-__all__ = ["LR_SCALING", "StepLRFactor", "resolve_lr_scaling"]
+__all__ = ["LR_SCALING", "StepLRFactor", "lr_factor_of", "resolve_lr_scaling"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ def resolve_lr_scaling(spec: str, scaling_rule: Any) -> str:
     if scaling_rule is None:
         return "none"
     return _FAMILY.get(getattr(scaling_rule, "name", ""), "linear")
+
+
+def lr_factor_of(step: StepContext | None, scaling_rule: Any) -> float:
+    """The LR factor of ``step`` for its actual size, with ``"auto"`` following ``scaling_rule``; 1 without a step."""
+    if step is None:
+        return 1.0
+    return step_lr_factor(max(step.size, 1), step.planned_size, resolve_lr_scaling(step.lr_scaling, scaling_rule))
 
 
 class StepLRFactor:

@@ -44,15 +44,24 @@ import torch.distributed as dist
 from adaptive.checkpoint import _format, _safe_load
 from adaptive.checkpoint.generation import StaleGenerationError
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
-from adaptive.elastic import collectives, env
-from adaptive.elastic.job import CheckpointSession, Job, current_job, on_reset
+from adaptive.runtime import collectives, env
+from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.observe import metrics
 
 logger = logging.getLogger(__name__)
 
 
-def _session() -> CheckpointSession:
-    return current_job().checkpoints
+@dataclasses.dataclass
+class BackgroundSaves:
+    """This job's asynchronous saves (its record on the job context, :mod:`adaptive.runtime.job`)."""
+
+    pending_save: _Pending | None = None  # the asynchronous save in flight
+    save_group: dist.ProcessGroup | None = None  # the gloo group of asynchronous saves, created by the first one
+    exit_wait_registered: bool = False  # the end of the process waits for the save in flight
+
+
+def _session() -> BackgroundSaves:
+    return current_job().part(BackgroundSaves)
 
 
 @dataclasses.dataclass
@@ -244,7 +253,7 @@ def wait_for_pending_save(job: Job | None = None) -> int | None:
     A failure was logged (as an error, on rank 0) by the save itself;
     the previous checkpoint stays the latest.
     """
-    session = (job or current_job()).checkpoints
+    session = (job or current_job()).part(BackgroundSaves)
     pending = session.pending_save
     if pending is None:
         return None

@@ -45,20 +45,23 @@ states block the training loop; see :mod:`adaptive.checkpoint._saving`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
 from adaptive._utils.checks import check_bool
 from adaptive.checkpoint import _saving
-from adaptive.elastic import collectives
-from adaptive.elastic import env
+from adaptive.runtime import collectives
+from adaptive.runtime import env
 from adaptive.observe import metrics
 from adaptive.checkpoint.generation import Generation, StaleGenerationError, newest_generation
 from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
-from adaptive.elastic import launch_status
+from adaptive.runtime import launch_status
 from adaptive.checkpoint._safe_load import validate_metadata as _validate_metadata
-from adaptive.elastic.job import CheckpointSession, current_job
+from adaptive.runtime.job import current_job
+from adaptive.runtime.step import stream
 from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatError, upgrade
 
 __all__ = [
@@ -75,9 +78,28 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class CheckpointSession:
+    """The checkpoint side of the job: its record on the job context (:mod:`adaptive.runtime.job`)."""
+
+    registry: dict[str, State] = dataclasses.field(default_factory=dict)  # name -> State, in creation order
+    store: CheckpointStore | None = None
+    store_root: str | None = None
+    generation: Generation | None = None  # rank 0: the Generation this incarnation took in store_root
+    generation_checked_at: float | None = None  # monotonic, when rank 0 last read the newest generation
+    stale: StaleGenerationError | None = None  # rank 0: the error once a newer generation was seen
+    resumed: Checkpoint | None = None  # the checkpoint this process resumed from
+    resumed_looked_up: bool = False
+    last_save_time: float | None = None  # monotonic
+    save_count: int = 0
+    steps_at_save: int = 0  # committed loader steps when this process last took part in a save
+    epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
+    name_counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
 def _session() -> CheckpointSession:
-    """This job's checkpoint state (see :mod:`adaptive.elastic.job`)."""
-    return current_job().checkpoints
+    """This job's checkpoint record."""
+    return current_job().part(CheckpointSession)
 
 
 class State:
@@ -402,7 +424,7 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
     finally:
         session.save_count += 1
         session.last_save_time = time.monotonic()
-        session.steps_at_save = current_job().training.steps_committed
+        session.steps_at_save = stream().steps_committed
 
 
 def wait_for_pending_save() -> int | None:

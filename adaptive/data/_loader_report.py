@@ -16,7 +16,8 @@ from typing import Any
 from adaptive._utils.text import format_duration
 from adaptive.batchsize.autoscale import Decision
 from adaptive.data._loop import IntervalStats, StepTiming
-from adaptive.elastic import env, epoch
+from adaptive.runtime import env
+from adaptive.elastic import epoch
 from adaptive.observe import metrics
 
 __all__ = ["LoaderReport"]

@@ -7,7 +7,6 @@ Kept apart from :mod:`adaptive.data.dataloader`, which strings them together
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import time
 from typing import Any, Iterator
@@ -15,9 +14,8 @@ from typing import Any, Iterator
 import torch.utils.data
 
 from adaptive.data.steps import PlannedStep
-from adaptive.elastic.job import current_job
 
-__all__ = ["Lookahead", "LocalBatches", "Plan", "StepTiming", "IntervalStats", "running_loop"]
+__all__ = ["Lookahead", "LocalBatches", "Plan", "StepTiming", "IntervalStats"]
 
 
 class Lookahead:
@@ -130,19 +128,3 @@ class IntervalStats:
         if self.padded:
             out.update(tokens_per_step=self.tokens / self.steps, padding_efficiency=self.tokens / self.padded)
         return out
-
-
-@contextlib.contextmanager
-def running_loop(loader: Any) -> Iterator[None]:
-    """Mark ``loader``'s loop as the job's running loop; loops of two loaders may not overlap."""
-    training = current_job().training
-    if training.loop is not None:
-        raise RuntimeError(
-            f"overlapping AdaptiveDataLoader iterations: {loader!r} started while {training.loop!r} "
-            "is still iterating; finish (or break out of) one loop before starting another"
-        )
-    training.loop = loader
-    try:
-        yield
-    finally:
-        training.loop = None

@@ -15,7 +15,7 @@ import os
 import signal
 from typing import Any
 
-from adaptive.elastic.process_tree import bind_to_parent
+from adaptive.runtime.process_tree import bind_to_parent
 
 __all__ = ["ShieldedWorkerInit", "signals_blocked"]
 

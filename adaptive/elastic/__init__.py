@@ -1,20 +1,20 @@
-"""The elastic runtime: one training process's place in its job.
+"""Step control: what keeps a job's replicas in step across stops, restarts and epochs.
 
-The environment torchrun gives (:mod:`.env`), the process groups and
-collectives (:mod:`.collectives`), the stop and checkpoint agreement at step
-boundaries (:mod:`.sync_points`), the restartable epoch loop (:mod:`.epoch`),
-replica-summed metrics that survive restarts (:mod:`.accumulator`), the job
-context that holds a process's job state (:mod:`.job`), the ``adaptive-run``
-launcher (:mod:`.launcher`), what workers report to it (:mod:`.launch_status`)
-and the processes that end with their incarnation (:mod:`.process_tree`).
+The stop and checkpoint agreement at step boundaries (:mod:`.sync_points`),
+the restartable epoch loop (:mod:`.epoch`), replica-summed metrics that
+survive restarts (:mod:`.accumulator`), the checkpointed random generators
+(:mod:`.random_state`) and the ``adaptive-run`` launcher (:mod:`.launcher`).
+It stands on the runtime (:mod:`adaptive.runtime`: environment, job context,
+collectives) and on the checkpoints (:mod:`adaptive.checkpoint`); ``env``,
+``init_process_group`` and ``CollectiveError`` are handed on from the runtime.
 """
 
 from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
-    "env": "adaptive.elastic.env",
-    "init_process_group": "adaptive.elastic.collectives",
-    "CollectiveError": "adaptive.elastic.collectives",
+    "env": "adaptive.runtime.env",
+    "init_process_group": "adaptive.runtime.collectives",
+    "CollectiveError": "adaptive.runtime.errors",
     "remaining_epochs_until": "adaptive.elastic.epoch",
     "current_epoch": "adaptive.elastic.epoch",
     "finished_epochs": "adaptive.elastic.epoch",

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from adaptive.checkpoint import states
-from adaptive.elastic import collectives
-from adaptive.elastic.job import current_job
+from adaptive.runtime import collectives
+from adaptive.runtime.step import loop_running
 from adaptive.elastic import epoch, sync_points
 from adaptive.observe import metrics
 
@@ -150,7 +150,7 @@ class Accumulator(collections.abc.MutableMapping):
     """
 
     def __init__(self, *args: Any, name: str | None = None, **kwargs: Any) -> None:
-        if current_job().training.loop is not None:
+        if loop_running():
             raise RuntimeError(
                 "Accumulator created inside an AdaptiveDataLoader loop; create it before the loop "
                 "so that a restart finds the same object"
@@ -173,7 +173,7 @@ class Accumulator(collections.abc.MutableMapping):
         if self._synchronized is not None:
             yield self
             return
-        if current_job().training.loop is not None:
+        if loop_running():
             # Inside a loader loop: never replayed (the loop resumes mid-way), so never saved.
             self._state.sync()
         else:

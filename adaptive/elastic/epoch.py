@@ -30,13 +30,15 @@ While the loop runs it remembers the declared epoch count, so that
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 from typing import Iterator
 
 from adaptive._utils.checks import check_float
 from adaptive.checkpoint import states
-from adaptive.elastic.job import EpochProgress, Job, current_job, on_reset
-from adaptive.elastic import env
+from adaptive.runtime import env
+from adaptive.runtime.step import loop_running
+from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.elastic import random_state, sync_points
 
 __all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished",
@@ -66,9 +68,21 @@ class _EpochState(states.State):
         self.ended = bool(state["ended"])
 
 
+@dataclasses.dataclass
+class EpochProgress:
+    """The epoch loop: its record on the job context (:mod:`adaptive.runtime.job`)."""
+
+    state: _EpochState | None = None  # the checkpointed epoch counter
+    looping: bool = False
+    total: int | None = None  # the epoch count the running loop declared (remaining_epochs_until(total))
+    finish_pending: bool = False  # finish_training() inside a loader step: the loader saves after the step
+    left_early: str | None = None  # the warning about an epoch loop left without finish_training(), until the end
+    left_early_hooked: bool = False  # the end of the process logs it (warn_if_left_early)
+
+
 def _progress() -> EpochProgress:
-    """This job's epoch loop (see :mod:`adaptive.elastic.job`)."""
-    return current_job().epochs
+    """This job's epoch loop record."""
+    return current_job().part(EpochProgress)
 
 
 def _epoch_state() -> _EpochState:
@@ -135,7 +149,7 @@ def finish_training() -> None:
     if state.ended:
         return
     state.ended = True
-    if current_job().training.loop is not None:
+    if loop_running():
         _progress().finish_pending = True  # saved by the loader, after the step in progress counts as taken
     else:
         _save_finished(state)
@@ -203,7 +217,7 @@ def _left_early(state: _EpochState, epoch: int) -> None:
     process ends by an uncaught exception or by one of the library's agreed
     exits (a stop, a failed peer, a stale generation), which are not breaks.
     """
-    if state.ended or env.rank() != 0 or current_job().agreement.exiting:
+    if state.ended or env.rank() != 0 or current_job().exiting:
         return
     progress = _progress()
     progress.left_early = (
@@ -218,8 +232,11 @@ def _left_early(state: _EpochState, epoch: int) -> None:
 def warn_if_left_early(job: Job | None = None) -> None:
     """Log the warning :func:`_left_early` kept, unless the job ended by an error or an agreed exit."""
     job = job or current_job()
-    message, job.epochs.left_early = job.epochs.left_early, None
-    if message is not None and not job.agreement.exiting:
+    if not job.has_part(EpochProgress):
+        return
+    progress = job.part(EpochProgress)
+    message, progress.left_early = progress.left_early, None
+    if message is not None and not job.exiting:
         logger.warning("%s", message)
 
 

@@ -40,7 +40,7 @@ One incarnation at a time (guarantee G6):
   workers stop and report it (:mod:`adaptive.checkpoint.generation`);
   ``adaptive-run`` then ends the whole incarnation instead of letting
   torchrun restart the workers, and exits with
-  :data:`~adaptive.elastic.launch_status.STALE_GENERATION_EXIT_CODE` (3).
+  :data:`~adaptive.runtime.launch_status.STALE_GENERATION_EXIT_CODE` (3).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 
-from adaptive.elastic import launch_status, process_tree
+from adaptive.runtime import launch_status, process_tree
 
 __all__ = ["main", "RDZV_DEFAULTS", "build_args"]
 

@@ -34,6 +34,7 @@ bit-identical across a rollback only when it is seeded per sample.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Any
@@ -42,8 +43,8 @@ import numpy as np
 import torch
 
 from adaptive.checkpoint import states
-from adaptive.elastic import collectives, env
-from adaptive.elastic.job import current_job
+from adaptive.runtime import collectives, env
+from adaptive.runtime.job import current_job
 
 __all__ = ["RandomState", "random_state", "restore_at"]
 
@@ -127,14 +128,20 @@ class RandomState(states.State):
                      count, where)
 
 
+@dataclasses.dataclass
+class _RandomStateSlot:
+    """The job's :class:`RandomState` (its record on the job context, :mod:`adaptive.runtime.job`)."""
+
+    state: RandomState | None = None
+
+
 def random_state() -> RandomState:
     """This job's :class:`RandomState`, created (and read from the resumed checkpoint) on first use."""
-    training = current_job().training
-    state = training.random_state
-    if state is None or not state.is_registered():
-        state = training.random_state = RandomState()
-        states.load_state(state)
-    return state
+    slot = current_job().part(_RandomStateSlot)
+    if slot.state is None or not slot.state.is_registered():
+        slot.state = RandomState()
+        states.load_state(slot.state)
+    return slot.state
 
 
 def restore_at(where: str) -> None:

@@ -47,15 +47,18 @@ incarnation) and exits with :data:`STALE_GENERATION_EXIT_CODE`.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import signal
 import threading
 import time
+from types import FrameType
 from typing import Any, Callable
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.generation import StaleGenerationError
-from adaptive.elastic import collectives, env, launch_status, peer_failure
-from adaptive.elastic.job import Agreement, Job, current_job, on_reset
+from adaptive.runtime import collectives, env, launch_status, peer_failure
+from adaptive.runtime import step as step_records
+from adaptive.runtime.job import Job, current_job, on_reset
 
 __all__ = [
     "GRACEFUL_EXIT_CODE",
@@ -92,9 +95,29 @@ MAX_SPACING = 1000
 _STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER = range(7)
 
 
+SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
+
+@dataclasses.dataclass
+class Agreement:
+    """The stop and checkpoint agreement between replicas: its record on the job context."""
+
+    stop_requested: bool = False
+    stop_signal: int | None = None
+    handlers_installed: bool = False
+    previous_handlers: dict[int, SignalHandler] = dataclasses.field(default_factory=dict)
+    pending: tuple[collectives.Waitable, int] | None = None  # the agreement in flight, saves done when issued
+    decided: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (stop, checkpoint) to act on
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    spacing: int = 1  # step boundaries from one agreement to the next (agreed by all replicas)
+    countdown: int = 0  # step boundaries left until the next agreement
+    agreed_at: float | None = None  # when the last agreement started (monotonic)
+    metadata: Callable[[], dict[str, Any]] = dict  # describes the position of the loop in progress
+
+
 def _agreement() -> Agreement:
-    """This job's agreement state (see :mod:`adaptive.elastic.job`)."""
-    return current_job().agreement
+    """This job's agreement record (see :mod:`adaptive.runtime.job`)."""
+    return current_job().part(Agreement)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -115,6 +138,7 @@ def install_signal_handlers() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         agreement.previous_handlers[signum] = signal.signal(signum, _on_signal)
     agreement.handlers_installed = True
+    launch_status.clear_earlier_reports()
     peer_failure.install()
 
 
@@ -132,7 +156,7 @@ def _checkpoint_due() -> bool:
     interval = env.checkpoint_interval()
     if interval <= 0 or env.rank() != 0:
         return False
-    if current_job().training.steps_committed == states.steps_at_last_save():
+    if step_records.stream().steps_committed == states.steps_at_last_save():
         return False  # nothing trained since the last save or the resume: the checkpoint would repeat it
     since = states.seconds_since_last_save()
     elapsed = time.monotonic() - _agreement().started if since is None else since
@@ -172,7 +196,7 @@ def _issue() -> tuple[Any, int]:
     return collectives.allreduce_max_async(_local_flags()), states.save_count()
 
 
-def _settle(pending: tuple[Any, int]) -> list[float]:
+def _settle(pending: tuple[collectives.Waitable, int]) -> list[float]:
     """Wait for an agreement and fold its decision into ``_agreement().decided``."""
     waitable, saves_then = pending
     try:
@@ -223,7 +247,7 @@ def _exit_stale(mine: int, newest: int) -> None:
                f"publishes nothing and exits with {STALE_GENERATION_EXIT_CODE}")
     logger.error("%s", message)
     launch_status.report_stale(mine, newest, message)
-    _agreement().exiting = True
+    current_job().exiting = True
     raise SystemExit(STALE_GENERATION_EXIT_CODE)
 
 
@@ -245,10 +269,10 @@ def _stop(info: dict) -> None:
         logger.error("the stop could not write its checkpoint (%s); the job will resume from the last complete "
                      "checkpoint in %s; exiting with %d", reason, env.checkpoint_path(), STOP_FAILED_EXIT_CODE)
         launch_status.confirm_stop(ok=False, reason=reason)
-        _agreement().exiting = True
+        current_job().exiting = True
         raise SystemExit(STOP_FAILED_EXIT_CODE) from error
     launch_status.confirm_stop(ok=True, seq=seq)
-    _agreement().exiting = True
+    current_job().exiting = True
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "stopped gracefully at epoch %s, step %s (checkpoint %s); exiting with %d",
                info.get("epoch"), info.get("step"), seq, GRACEFUL_EXIT_CODE)
@@ -319,8 +343,10 @@ def final_boundary(metadata: Callable[[], dict]) -> None:
 
 
 def _restore_signal_handlers(job: Job) -> None:
-    """Give back the signal handlers a reset job had installed (see :func:`adaptive.elastic.job.reset_job`)."""
-    agreement = job.agreement
+    """Give back the signal handlers a reset job had installed (see :func:`adaptive.runtime.job.reset_job`)."""
+    if not job.has_part(Agreement):
+        return
+    agreement = job.part(Agreement)
     if agreement.handlers_installed and threading.current_thread() is threading.main_thread():
         for signum, handler in agreement.previous_handlers.items():
             signal.signal(signum, handler)
@@ -329,7 +355,3 @@ def _restore_signal_handlers(job: Job) -> None:
 
 on_reset(_restore_signal_handlers)
 
-
-# A worker that adaptive-run starts forgets, first thing, what an earlier worker on its local
-# rank confirmed: a confirmation in that folder is then always this worker's own.
-launch_status.forget_stop()

@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any
 
-from adaptive.elastic import env
+from adaptive.runtime import env
 
 __all__ = ["MetricsWriter", "metrics_path", "metrics_interval", "read_metrics", "to_tensorboard",
            "tensorboard_prefix", "DEFAULT_TAG_PREFIX", "SCALARS"]

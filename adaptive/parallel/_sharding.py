@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from adaptive._utils.checks import check_int
-from adaptive.elastic import env
+from adaptive.runtime import env
 
 __all__ = ["sharding_mesh", "apply_fully_shard", "check_rebindable", "rebind_optimizer", "parameter_names",
            "is_fully_sharded", "module_mesh", "ShardPolicy", "FSDP_OPTIONS"]

@@ -9,35 +9,49 @@ once:
 * :class:`TrainedModel`, the face the data loader reads from the model it
   trains (``gns``, ``scaling_rule``, ``step_lr``, :meth:`gradient_divisor`)
   and the TensorBoard export;
-* :func:`wire_optimizer`: the LR scaling rule and the loader's per-step LR
-  factor as optimizer step hooks, and the accumulation rules of the
-  ordinary loop: on every micro-step but the last ``optimizer.step()``
-  does nothing, and ``zero_grad()`` acts only on the first micro-step of
-  each optimizer step.  (torch has no hook that can skip a step, so these
-  two methods are wrapped on the optimizer instance.)
+* :func:`wire_optimizer`, the one place where an optimizer is wired to
+  the steps the loader plans: the LR scaling rule and the step's LR factor
+  as optimizer step hooks, and the accumulation rules of the ordinary
+  loop: on every micro-step but the last ``optimizer.step()`` does
+  nothing, and ``zero_grad()`` acts only on the first micro-step of each
+  optimizer step.  (torch has no hook that can skip a step, so these two
+  methods are wrapped on the optimizer instance.)
+* :class:`TrainedModels`, the job's registry of wrappers, from which the
+  loader reads what it needs of the models it trains (the gradient
+  divisor of its loss weights, the gradient statistics its batch-size
+  decisions use, the figures of its metrics).
+
+What a step is reaches the wrappers one way only: the loader publishes a
+:class:`~adaptive.runtime.step.StepContext` per micro-step, and the
+optimizer hooks, the DDP synchronisation and the noise-scale measurement
+read it (:func:`adaptive.runtime.step.current_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from adaptive.batchsize.gns import GradientNoiseScale
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
-from adaptive.batchsize.step_lr import StepLRFactor
-from adaptive.elastic import env, sync_points
-from adaptive.elastic.job import current_job
+from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
+from adaptive.elastic import sync_points
+from adaptive.runtime import env
+from adaptive.runtime.job import current_job
+from adaptive.runtime.step import StepContext, current_step, stream
 from adaptive.observe.metrics import tensorboard_prefix
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainedModel", "TrainingParts", "check_optimizer", "check_lr_scheduler", "check_scaler", "check_name",
-           "check_gns_interval", "loader_lr_factor", "is_accumulation_step", "is_continuing_accumulation",
-           "wire_optimizer"]
+__all__ = ["TrainedModel", "TrainedModels", "TrainingParts", "check_optimizer", "check_lr_scheduler", "check_scaler",
+           "check_name", "check_gns_interval", "is_accumulation_step", "is_continuing_accumulation",
+           "trained_models", "wire_optimizer"]
 
 
 def check_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
@@ -116,28 +130,17 @@ class TrainingParts:
             part.load_state_dict(state[key])
 
 
-# ---------------------------------------------------------------- the loader's view of the step
-def loader_lr_factor() -> float:
-    """The running loader's LR factor for the current step (1 outside loader loops)."""
-    loader = current_job().training.loop
-    return 1.0 if loader is None else loader.lr_factor
-
-
-def _micro_step() -> tuple[int, int] | None:
-    loader = current_job().training.loop
-    return None if loader is None else loader.micro_step
-
-
+# ---------------------------------------------------------------- the step, as the loader published it
 def is_accumulation_step() -> bool:
-    """A micro-step that is not the last of its optimizer step."""
-    micro = _micro_step()
-    return micro is not None and micro[0] < micro[1] - 1
+    """A micro-step that is not the last of its optimizer step (False outside loader loops)."""
+    step = current_step()
+    return step is not None and step.is_accumulation_step
 
 
 def is_continuing_accumulation() -> bool:
-    """A micro-step that is not the first of its optimizer step."""
-    micro = _micro_step()
-    return micro is not None and micro[0] > 0
+    """A micro-step that is not the first of its optimizer step (False outside loader loops)."""
+    step = current_step()
+    return step is not None and step.continues_accumulation
 
 
 def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, skip: Callable[[], bool],
@@ -159,16 +162,17 @@ def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, ski
 
 def _count_optimizer_step() -> None:
     """An optimizer step ran (the loader tells a peek at a batch from a trained step by it)."""
-    current_job().training.optimizer_steps += 1
+    stream().optimizer_steps += 1
 
 
 def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, gns: GradientNoiseScale) -> StepLRFactor:
-    """Attach the scaling rule and the loader's LR factor to ``optimizer``, and the accumulation rules.
+    """Attach the scaling rule and the step's LR factor to ``optimizer``, and the accumulation rules.
 
-    The loader's per-step LR factor (actual / planned step size) nests
-    around the rule's hooks.  Returns the attached :class:`StepLRFactor`.
+    The step's LR factor (its actual over its planned size, by the loader's
+    ``lr_scaling``; ``"auto"`` follows ``scaling_rule``) nests around the
+    rule's hooks.  Returns the attached :class:`StepLRFactor`.
     """
-    step_lr = StepLRFactor(loader_lr_factor)
+    step_lr = StepLRFactor(lambda: lr_factor_of(current_step(), scaling_rule))
     step_lr.attach_around(optimizer, lambda: scaling_rule.attach(optimizer, gns))
     _skip_during_accumulation(optimizer, "step", is_accumulation_step, ran=_count_optimizer_step)
     _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
@@ -176,6 +180,19 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
 
 
 # ---------------------------------------------------------------- the wrappers' shared face
+@dataclasses.dataclass
+class TrainedModels:
+    """The wrappers of this job: their record on the job context (:mod:`adaptive.runtime.job`)."""
+
+    latest: TrainedModel | None = None  # the most recently created wrapper
+    every: weakref.WeakSet[TrainedModel] = dataclasses.field(default_factory=weakref.WeakSet)  # every live one
+
+
+def trained_models() -> TrainedModels:
+    """This job's wrappers."""
+    return current_job().part(TrainedModels)
+
+
 class TrainedModel:
     """Mixin of the adaptive model wrappers: what the loader and the tools read from them.
 
@@ -196,11 +213,25 @@ class TrainedModel:
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
 
     def _register_with_job(self) -> None:
-        """The loader configures and reads every model it trains; stops are caught from now on."""
-        training = current_job().training
-        training.model = self
-        training.models.add(self)
+        """The loader reads the models it trains from the job's registry; stops are caught from now on."""
+        models = trained_models()
+        models.latest = self
+        models.every.add(self)
         sync_points.install_signal_handlers()
+
+    def _follow_step(self) -> StepContext | None:
+        """The step being trained; its batch configuration goes to the noise-scale measurement.
+
+        Called at each forward: the measurement follows the step the loader
+        published (a no-op while the configuration is unchanged; not under
+        ``no_grad``, where nothing is measured).
+        """
+        step = current_step()
+        if step is not None and torch.is_grad_enabled():
+            self.gns.set_batch_config(init_batch_size=step.init_batch_size, local_bsz=step.local_batch_size,
+                                      accum_steps=step.num_micro_steps, num_replicas=step.num_replicas,
+                                      batch_size=step.planned_size)  # 128 on 3 replicas, not 3 x 42
+        return step
 
     def gradient_divisor(self, micro_steps: int) -> int:
         """What the reduction divides the gradient summed over replicas and micro-steps by.

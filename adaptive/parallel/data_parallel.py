@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.elastic import collectives, env
+from adaptive.runtime import collectives, env
 from adaptive.parallel import _training
 
 __all__ = ["AdaptiveDataParallel"]
@@ -115,9 +115,10 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
                         ", grad scaler" if scaler is not None else "")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # Exactly what ``no_sync()`` does, decided per micro-step by the loader.  With one
-        # replica there is nothing to reduce: DDP's bucket copies are skipped altogether.
-        self.require_backward_grad_sync = self._replicas > 1 and not _training.is_accumulation_step()
+        # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.
+        # With one replica there is nothing to reduce: DDP's bucket copies are skipped altogether.
+        step = self._follow_step()
+        self.require_backward_grad_sync = self._replicas > 1 and (step is None or not step.is_accumulation_step)
         return super().forward(*inputs, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.elastic import collectives, env
+from adaptive.runtime import collectives, env
 from adaptive.parallel import _sharding, _training
 
 __all__ = ["AdaptiveFSDP"]
@@ -217,8 +217,9 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._materialize()
+        step = self._follow_step()
         # Reduce-scatter only on the last micro-step of an optimizer step (FSDP2's no_sync).
-        sync = not _training.is_accumulation_step()
+        sync = step is None or not step.is_accumulation_step
         if sync != self._gradient_sync:
             self.module.set_requires_gradient_sync(sync)
             self._gradient_sync = sync

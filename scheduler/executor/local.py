@@ -10,7 +10,7 @@ set, output appended to ``<log_dir>/<job>/attempt-<k>.log``. A graceful stop
 is SIGTERM to the process group (jobs checkpoint and exit with 143); a kill
 is SIGKILL to the launcher and every process below it (torchrun's workers
 run in sessions of their own, out of the group's reach). The launcher is
-bound to the process that launched it (:mod:`adaptive.elastic.process_tree`):
+bound to the process that launched it (:mod:`adaptive.runtime.process_tree`):
 if the executor dies, even by SIGKILL, its incarnations die with it, and the
 next executor relaunches them (call :meth:`LocalBackend.launch` from a thread
 that lives as long as the executor: the main thread, as the CLI does). With
@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from adaptive.elastic import process_tree
+from adaptive.runtime import process_tree
 from scheduler.executor.backend import Assignment, Backend, exit_status, read_tail
 from scheduler.executor.jobspec import JobSpec
 

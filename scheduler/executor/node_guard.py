@@ -13,7 +13,7 @@ Every process below the guard ends with it, by three mechanisms that do not
 depend on any one process getting to run cleanup code:
 
 * the launcher, its workers and their DataLoader workers are each bound to
-  their parent by a kernel death signal (:mod:`adaptive.elastic.process_tree`):
+  their parent by a kernel death signal (:mod:`adaptive.runtime.process_tree`):
   when Ray SIGKILLs the actor and the guard (as it does when a node is
   removed), the launcher gets SIGKILL, then its workers, then theirs;
 * the guard adopts every orphaned descendant (``PR_SET_CHILD_SUBREAPER``) and,
@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 
-from adaptive.elastic import process_tree
+from adaptive.runtime import process_tree
 from scheduler.executor.backend import exit_status
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from adaptive.elastic import process_tree
+from adaptive.runtime import process_tree
 from scheduler.executor.backend import exit_status
 from scheduler.executor.ray_import import import_ray
 

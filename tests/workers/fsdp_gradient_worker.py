@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import adaptive
-from adaptive.elastic import collectives
+from adaptive.runtime import collectives
 from adaptive.parallel import sharding_mesh
 from fsdp_worker import WIDTH, BlockStack, IndexDataset
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 import adaptive
-from adaptive.elastic import collectives
+from adaptive.runtime import collectives
 
 mode, out = sys.argv[1], sys.argv[2]
 adaptive.init_process_group("gloo")

@@ -21,15 +21,17 @@ unset and every function here does nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from typing import Any
 
 from adaptive._utils.files import read_json, write_json_atomic
-from adaptive.elastic import env
+from adaptive.runtime import env
+from adaptive.runtime.job import current_job
 
-__all__ = ["STATUS_DIR_VAR", "STALE_GENERATION_EXIT_CODE", "confirm_stop", "forget_stop", "report_stale", "stale_report", "stop_problems"]
+__all__ = ["STATUS_DIR_VAR", "STALE_GENERATION_EXIT_CODE", "clear_earlier_reports", "confirm_stop", "forget_stop", "report_stale", "stale_report", "stop_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,26 @@ def _write(prefix: str, record: dict[str, Any]) -> None:
         write_json_atomic(path, dict(record, rank=env.rank(), pid=os.getpid(), time=time.time()))
     except OSError as error:
         logger.warning("could not report to adaptive-run (%s): %s", path, error)
+
+
+@dataclasses.dataclass
+class _Reports:
+    """Whether this worker cleared its local rank's earlier records (its record on the job context)."""
+
+    cleared: bool = False
+
+
+def clear_earlier_reports() -> None:
+    """Once per worker, as it joins its job: forget what an earlier worker on this local rank confirmed.
+
+    A confirmation in the launcher's folder is then always this worker's own.
+    Called when the worker sets up its process group or its stop handling,
+    whichever comes first, never at import.
+    """
+    reports = current_job().part(_Reports)
+    if not reports.cleared:
+        reports.cleared = True
+        forget_stop()
 
 
 def forget_stop() -> None:

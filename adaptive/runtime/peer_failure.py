@@ -2,7 +2,7 @@
 
 When a replica dies (SIGKILL, a lost node), whatever collective the others
 are in fails: the library's own agreements raise
-:class:`~adaptive.elastic.collectives.CollectiveError`, and the user's own
+:class:`~adaptive.runtime.collectives.CollectiveError`, and the user's own
 collectives (DDP's gradient all-reduce, FSDP2's all-gather,
 ``clip_grad_norm_`` over DTensors) raise the backend's error, a
 ``RuntimeError`` from gloo (``Connection reset by peer``) or a
@@ -10,7 +10,7 @@ collectives (DDP's gradient all-reduce, FSDP2's all-gather,
 right outcome is the same: exit without writing a checkpoint, so that the
 last complete one stays the newest and the restarted group resumes from it.
 
-:func:`install` (called by :func:`~adaptive.elastic.collectives.init_process_group`)
+:func:`install` (called by :func:`~adaptive.runtime.collectives.init_process_group`)
 sets a ``sys.excepthook`` that recognises such an error when it ends the
 script, logs one line naming the cause, keeps the traceback in the DEBUG log
 and lets the process exit with status 1. Any other error goes to the previous
@@ -26,8 +26,9 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from adaptive.elastic import env
-from adaptive.elastic.job import current_job
+from adaptive.runtime import env
+from adaptive.runtime.errors import CollectiveError
+from adaptive.runtime.job import current_job
 
 __all__ = ["install", "is_peer_failure", "report"]
 
@@ -53,8 +54,6 @@ def is_peer_failure(error: BaseException | None) -> bool:
 
 
 def _is_distributed_error(error: BaseException) -> bool:
-    from adaptive.elastic.collectives import CollectiveError
-
     if isinstance(error, CollectiveError):
         return True
     try:
@@ -66,7 +65,7 @@ def _is_distributed_error(error: BaseException) -> bool:
 
 def report(error: BaseException) -> None:
     """Log the one line (ERROR) and keep the traceback (DEBUG) for a peer failure that ends this process."""
-    current_job().agreement.exiting = True  # not a deliberate break out of the epoch loop
+    current_job().exiting = True  # not a deliberate break out of the epoch loop
     logger.error("rank %d: a peer replica failed (%s); exiting without writing a checkpoint so that the "
                  "last complete one (in %s) stays the newest", env.rank(), _cause(error), env.checkpoint_path())
     logger.debug("the failed collective", exc_info=(type(error), error, error.__traceback__))
@@ -82,7 +81,7 @@ def _cause(error: BaseException) -> str:
 
 
 def _hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-    current_job().agreement.exiting = True  # an error ended the script: it did not break out of its loops
+    current_job().exiting = True  # an error ended the script: it did not break out of its loops
     if is_peer_failure(error):
         report(error)
         return

@@ -22,13 +22,14 @@ import datetime
 import functools
 import logging
 import operator
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from adaptive.elastic import env, peer_failure
-from adaptive.elastic.job import ProcessGroups, current_job
+from adaptive.runtime import env, launch_status, peer_failure
+from adaptive.runtime.errors import CollectiveError
+from adaptive.runtime.job import ProcessGroups, current_job
 
 __all__ = [
     "CollectiveError",
@@ -41,6 +42,7 @@ __all__ = [
     "allgather_object",
     "allreduce_max_async",
     "barrier",
+    "Waitable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,13 +50,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 def _groups() -> ProcessGroups:
-    """This job's process groups (see :mod:`adaptive.elastic.job`)."""
+    """This job's process groups (see :mod:`adaptive.runtime.job`)."""
     return current_job().groups
 
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: a peer died, hung past the timeout, or the group broke."""
 
 
 def is_initialized() -> bool:
@@ -95,6 +93,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
         logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
         groups.owns_default_group = True
+    launch_status.clear_earlier_reports()
     peer_failure.install()  # a peer's death ends the script with one line, not a backend traceback
     if groups.control is None:
         if dist.get_backend() == "gloo":
@@ -232,7 +231,14 @@ def barrier() -> None:
         raise _wrap_failure("barrier", error) from error
 
 
-def allreduce_max_async(values: list[float]) -> Any:
+class Waitable(Protocol):
+    """The result of :func:`allreduce_max_async`: the reduced flags, once ``result()`` returns."""
+
+    def result(self) -> list[float]:
+        """Wait for the reduction and return the element-wise maximum."""
+
+
+def allreduce_max_async(values: list[float]) -> Waitable:
     """Start an element-wise max over replicas of a few flags; returns a waitable.
 
     The returned object has ``result() -> list[float]``.  Used for the per-step
