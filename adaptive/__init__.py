@@ -26,7 +26,7 @@ from adaptive.runtime import process_tree as _process_tree
 __version__ = "0.2.0"
 
 #: Each public name and the module that defines it.  Imported on first use, so
-#: that the torch-free parts (``adaptive.batchsize.goodput``, ``adaptive.data.sampler``,
+#: that the torch-free parts (``adaptive.goodput``, ``adaptive.data.sampler``,
 #: ...) import without torch.
 _EXPORTS = {
     "Accumulator": "adaptive.elastic.accumulator",
@@ -57,7 +57,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 #: Subpackages reachable as ``adaptive.<name>`` after ``import adaptive`` (imported on first use).
-_SUBPACKAGES = ("batchsize", "checkpoint", "data", "elastic", "observe", "parallel")
+_SUBPACKAGES = ("batchsize", "checkpoint", "data", "elastic", "goodput", "observe", "parallel")
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
 

@@ -41,7 +41,7 @@ from scheduler.simulate import run_simulation  # noqa: E402
 from scheduler.sim.simulator import SimulationResult, Simulator  # noqa: E402
 from scheduler.speedup import SpeedupFunction  # noqa: E402
 
-from adaptive.batchsize.goodput import GoodputFunction, GradParams  # noqa: E402
+from adaptive.goodput import GoodputFunction, GradParams  # noqa: E402
 
 #: Average JCT (s) published in the Pollux paper, per workload and policy.
 PUBLISHED = {

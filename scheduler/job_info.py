@@ -135,7 +135,7 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
 def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
                         max_replicas: int = 64, preemptible: bool = True, attained_service: float = 0.0,
                         num_restarts: int = 0, speedup_cache: SpeedupCache | None = None) -> JobInfo:
-    """A :class:`JobInfo` from a job's reported :class:`adaptive.batchsize.hints.Hints`
+    """A :class:`JobInfo` from a job's reported :class:`adaptive.goodput.Hints`
     (``None`` if it has not reported yet: nothing profiled, no model)."""
     common = dict(submission_time=submission_time, min_replicas=min_replicas, max_replicas=max_replicas,
                   preemptible=preemptible, attained_service=attained_service, num_restarts=num_restarts)

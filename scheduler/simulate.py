@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from adaptive._utils.files import write_json_atomic
+from adaptive.goodput import write_json_atomic
 from scheduler.cluster import ClusterSpec
 from scheduler.policies import POLICIES
 from scheduler.profiles import DEFAULT_TRACES_DIR

@@ -4,7 +4,7 @@
 goodput on one device``, where "best" lets the job pick its global batch
 size (local batch and accumulation steps) within its limits, as the
 adaptive loader does. Goodput comes from
-:meth:`adaptive.batchsize.goodput.GoodputFunction.evaluate` (fitted throughput model
+:meth:`adaptive.goodput.GoodputFunction.evaluate` (fitted throughput model
 times statistical efficiency).
 
 The policy needs this for every job and replica count each round, so the
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptive.batchsize.goodput import GoodputFunction, PerfParams
+from adaptive.goodput import GoodputFunction, PerfParams
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class SpeedupFunction:
     """Memoised speedup table over (num_nodes, num_replicas).
 
     Args:
-        goodput_fn: an ``adaptive.batchsize.goodput.GoodputFunction`` (anything with
+        goodput_fn: an ``adaptive.goodput.GoodputFunction`` (anything with
             its vectorised ``evaluate`` and ``init_batch_size``).
         max_batch_size: the job's largest global batch (default: its
             initial batch, i.e. a fixed batch size).

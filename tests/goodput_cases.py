@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from adaptive.batchsize.goodput import PerfParams
+from adaptive.goodput import PerfParams
 
 TRUE = PerfParams(alpha_c=0.02, beta_c=0.001, alpha_n=0.08, beta_n=0.01, alpha_r=0.03, beta_r=0.004, gamma=2.5)
 

@@ -76,7 +76,7 @@ def wait_for_line(proc: subprocess.Popen, log: Path, start: str, timeout: float)
 
 
 def hints(job_id: str) -> dict:
-    """Hints as a job posts them (adaptive.batchsize.hints format): profiled on 2 replicas."""
+    """Hints as a job posts them (adaptive.goodput.hints format): profiled on 2 replicas."""
     return {
         "version": 2, "job_id": job_id, "timestamp": 1.0, "init_batch_size": 128, "max_batch_size": 4096,
         "local_bsz_bounds": [32, 1024], "gradient_accumulation": True,

@@ -10,7 +10,7 @@ import time
 import portpicker
 import pytest
 
-from adaptive.batchsize.hints import read_hints
+from adaptive.goodput import read_hints
 from elastic_harness import (Jobs, assert_exact_counts, live_pids, assert_resumed, assert_resumed_newest, assert_state_applied,
                              assert_stopped_gracefully, exit_codes, newest_checkpoint_step, progress,
                              resume_records, store, tail, wait_exit, wait_for)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adaptive.batchsize.gns import GradientNoiseScale
-from adaptive.batchsize.noise_estimate import BatchConfig
 from adaptive.batchsize.scaling_rules import AdaScale
+from adaptive.goodput import BatchConfig
 from adaptive.checkpoint.versions import StateFormatError
 
 

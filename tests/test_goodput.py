@@ -11,7 +11,7 @@ from goodput_cases import TRUE, reference_step_time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptive.batchsize.goodput import GAMMA_MAX, GoodputFunction, GradParams, PerfParams
+from adaptive.goodput import GAMMA_MAX, GoodputFunction, GradParams, PerfParams
 from adaptive.checkpoint.versions import StateFormatError
 
 

@@ -9,11 +9,10 @@ import threading
 
 import pytest
 
-from adaptive._utils.files import read_json, write_json_atomic
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.batchsize.hints import (HINTS_FILENAME, HINTS_VERSION, CurrentConfig, Hints, post_hints, read_hints,
-                                      write_hints)
+from adaptive.batchsize.hint_posting import post_hints
 from adaptive.checkpoint.versions import StateFormatError
+from adaptive.goodput import (HINTS_FILENAME, HINTS_VERSION, CurrentConfig, GoodputFunction, GradParams, Hints,
+                              PerfParams, read_hints, read_json, write_hints, write_json_atomic)
 
 PERF = {"alpha_c": 0.02, "beta_c": 0.001, "alpha_n": 0.08, "beta_n": 0.01, "alpha_r": 0.03, "beta_r": 0.004,
         "gamma": 2.0}

@@ -6,7 +6,7 @@ import pytest
 
 from adaptive.elastic import launcher
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
-from adaptive.batchsize.goodput import GradParams, PerfParams
+from adaptive.goodput import GradParams, PerfParams
 
 
 def test_launcher_adds_rendezvous_defaults_and_user_values_win():
@@ -137,7 +137,7 @@ def test_controller_spends_at_most_one_percent_of_the_time_evaluating(job, monke
 
 def test_controller_hints_carry_the_completed_fraction(job, monkeypatch, tmp_path):
     """The fraction the loader passes in reaches the hints file; without one it is null."""
-    from adaptive.batchsize.hints import read_hints
+    from adaptive.goodput import read_hints
     from adaptive.runtime import env
 
     monkeypatch.setattr(env, "checkpoint_path", lambda: str(tmp_path))

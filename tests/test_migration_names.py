@@ -23,7 +23,7 @@ import torch
 
 import adaptive
 from adaptive.runtime import env
-from adaptive.batchsize import hints
+from adaptive.goodput import read_hints
 from adaptive.observe import metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,7 +167,7 @@ def test_gradient_statistics_read_out_replaces_adaptdls_metrics_state(job):
     # get_progress(): scale-invariant steps; at the initial batch size each step counts about one
     assert 0 < model.scaling_rule.progress <= loader.step * 1.0001 * max(1.0, loader.batch_size / 16)
     # get_goodput_fn() and the perf params: the hints file rank 0 writes while autoscaling
-    written = hints.read_hints(env.checkpoint_path())
+    written = read_hints(env.checkpoint_path())
     assert written.grad_params is not None and written.init_batch_size == 16
     assert written.completed_fraction is not None and 0 <= written.completed_fraction <= 1  # of the 2 epochs
     function = written.goodput_function()
@@ -258,7 +258,7 @@ def test_every_adaptive_name_in_the_migration_doc_exists():
     code = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
     code += re.findall(r"^```.*?^```", text, flags=re.M | re.S)
     names = {match for span in code for match in re.findall(r"\badaptive(?:\.\w+)+", span)}
-    assert {"adaptive.env.tensorboard_path", "adaptive.env.checkpoint_path", "adaptive.batchsize.hints.read_hints"} <= names
+    assert {"adaptive.env.tensorboard_path", "adaptive.env.checkpoint_path", "adaptive.goodput.read_hints"} <= names
     missing = []
     for name in sorted(names):
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive.batchsize.noise_estimate import BatchConfig, estimate_from_norms
+from adaptive.goodput import BatchConfig, estimate_from_norms
 
 
 def test_estimate_from_norms_inverts_expectations():

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from adaptive.batchsize.noise_estimate import BatchConfig
 from adaptive.batchsize.scaling_rules import (
     LEGW,
     AdamScale,
@@ -21,6 +20,7 @@ from adaptive.batchsize.scaling_rules import (
     make_scaling_rule,
 )
 from adaptive.checkpoint.versions import StateFormatError
+from adaptive.goodput import BatchConfig
 
 
 @dataclass

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.batchsize.hints import Hints
+from adaptive.goodput import GoodputFunction, GradParams, Hints, PerfParams
 from scheduler.cluster import ClusterSpec
 from scheduler.job_info import batch_replica_limit, job_info_from_hints
 from scheduler.policies import PolluxPolicy

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from goodput_cases import TRUE, synthetic
 
-from adaptive.batchsize import throughput_fit
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.batchsize.throughput_fit import fit_perf_params
+from adaptive.goodput import GoodputFunction, GradParams, PerfParams, fit, fit_perf_params
 
 
 def test_fit_recovers_parameters_without_noise():
@@ -66,16 +64,16 @@ def test_fit_converges_quickly_with_gamma_at_its_bound():
                      1.764, 2.632, 0.591, 0.693, 0.791, 0.918, 1.297, 1.736, 2.573])
     sync = np.array([0.0015] * 7 + [0.038, 0.046, 0.037, 0.027, 0.068, 0.070, 0.069,
                                     0.077, 0.086, 0.109, 0.042, 0.125, 0.090, 0.083])
-    obs = throughput_fit._as_observations(np.ones(21), replicas, bsz, np.ones(21), step, step - sync, sync)
-    problem = throughput_fit._FitProblem(obs)
+    obs = fit._as_observations(np.ones(21), replicas, bsz, np.ones(21), step, step - sync, sync)
+    problem = fit._FitProblem(obs)
     calls = []
 
     def counted(xs):
         calls.append(1)
         return problem.residuals(xs)
 
-    x, _ = throughput_fit._levenberg_marquardt(counted, throughput_fit._initial_vector(obs, 1.2))
-    assert throughput_fit._params_from_vector(x)[1] < 1.01  # gamma held at (about) 1
+    x, _ = fit._levenberg_marquardt(counted, fit._initial_vector(obs, 1.2))
+    assert fit._params_from_vector(x)[1] < 1.01  # gamma held at (about) 1
     assert len(calls) < 100  # two calls per iteration: far below the 100-iteration cap
     fitted = fit_perf_params(np.ones(21), replicas, bsz, np.ones(21), step, step - sync, sync)
     predicted = GoodputFunction(fitted, GradParams(1, 1), 1).step_time(np.ones(21), replicas, bsz, np.ones(21))

@@ -1,18 +1,21 @@
 """The torch-free core imports and works where torch cannot be imported.
 
 The cluster side (``scheduler``, the trace simulator) and the pure parts of
-the library (the goodput model, the hints, the sampler, the token planner,
-the ramp-up schedules) must run on a machine without PyTorch. Each test runs
-a fresh interpreter in which ``import torch`` fails: a ``sitecustomize`` on
-a folder put first on ``PYTHONPATH`` installs a meta-path finder that raises
+the library (``adaptive.goodput``: the goodput model, its fit, the hints;
+the sampler, the token planner, the ramp-up schedules) must run on a
+machine without PyTorch. Each test runs a fresh interpreter in which
+``import torch`` fails: a ``sitecustomize`` on a folder put first on
+``PYTHONPATH`` installs a meta-path finder that raises
 ``ModuleNotFoundError`` for ``torch`` and every ``torch.*`` module, as a
 Python without torch would. Names are imported through the package faces
-(``adaptive.batchsize``, ``adaptive.data``, ``adaptive.data.tokens``), so
-the tests hold whichever module behind a face defines them.
+(``adaptive.goodput``, ``adaptive.batchsize``, ``adaptive.data``,
+``adaptive.data.tokens``), so the tests hold whichever module behind a face
+defines them.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -98,16 +101,18 @@ def test_packages_and_faces_import_without_torch(no_torch_env):
         import adaptive.batchsize
         import adaptive.data
         import adaptive.data.tokens
-        import adaptive.batchsize.goodput
-        import adaptive.batchsize.hints
+        import adaptive.goodput
+        import adaptive.goodput.hints
+        import adaptive.goodput.model
         import adaptive.batchsize.rampup
         import adaptive.data.sampler
         from scheduler import ClusterSpec, make_policy, run_simulation  # noqa: F401
         assert adaptive.__version__
         assert "run_simulation" in scheduler.__all__
         # subpackages are attributes of the top-level face, imported on first use
-        assert adaptive.batchsize.GoodputFunction is adaptive.batchsize.goodput.GoodputFunction
-        assert "parallel" in dir(adaptive)
+        assert adaptive.batchsize.GoodputFunction is adaptive.goodput.model.GoodputFunction
+        assert adaptive.goodput.GoodputFunction is adaptive.batchsize.GoodputFunction
+        assert "parallel" in dir(adaptive) and "goodput" in dir(adaptive)
     """))
 
 
@@ -122,10 +127,53 @@ def test_subpackages_are_reachable_from_import_adaptive():
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 
 
+def test_the_shared_models_and_the_simulator_load_no_torch(no_torch_env):
+    """``adaptive.goodput`` (every module and every public name) and the scheduler's simulator
+    import without torch, and the shared package pulls in no torch-side part of ``adaptive.batchsize``."""
+    check(run_without_torch(no_torch_env, """
+        import importlib
+        import pkgutil
+        import sys
+
+        import adaptive.goodput
+
+        modules = [info.name for info in pkgutil.walk_packages(adaptive.goodput.__path__, "adaptive.goodput.")]
+        assert {"adaptive.goodput.model", "adaptive.goodput.fit", "adaptive.goodput.hints",
+                "adaptive.goodput.noise_estimate", "adaptive.goodput.search"} <= set(modules), modules
+        for name in modules:
+            importlib.import_module(name)
+        for name in adaptive.goodput.__all__:
+            assert getattr(adaptive.goodput, name) is not None, name
+        # below the job side: at most the package face and its versioned-state reader (torch-free)
+        job_side = sorted(m for m in sys.modules if m.startswith("adaptive.batchsize."))
+        assert set(job_side) <= {"adaptive.batchsize._state_format"}, job_side
+
+        import scheduler.simulate
+        import scheduler.sim.job
+        import scheduler.sim.simulator
+        import scheduler.sim.workload
+        from scheduler import run_simulation  # noqa: F401
+    """))
+
+
+def test_the_scheduler_imports_only_public_adaptive_modules():
+    """The cluster side uses the library through public names (``adaptive.goodput``, ...), never a private module."""
+    private = []
+    for path in sorted((REPO / "scheduler").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names += [f"{node.module}.{alias.name}" for alias in node.names]
+            private += [f"{path.relative_to(REPO)}: {name}" for name in names
+                        if name.split(".")[0] == "adaptive" and any(part.startswith("_") for part in name.split("."))]
+    assert not private, private
+
+
 def test_goodput_model_works_without_torch(no_torch_env):
     check(run_without_torch(no_torch_env, """
         import numpy as np
-        from adaptive.batchsize import GoodputFunction, GradParams, PerfParams
+        from adaptive.goodput import GoodputFunction, GradParams, PerfParams
 
         perf = PerfParams(0.02, 0.001, 0.08, 0.01, 0.03, 0.004, 2.0)
         grad = GradParams(0.5, 12.0)
@@ -144,7 +192,7 @@ def test_goodput_model_works_without_torch(no_torch_env):
 def test_hints_round_trip_without_torch(no_torch_env, tmp_path):
     check(run_without_torch(no_torch_env, f"""
         import json
-        from adaptive.batchsize import Hints, read_hints, write_hints
+        from adaptive.goodput import Hints, read_hints, write_hints
 
         document = {{
             "version": 1, "job_id": "job-1", "timestamp": 1767225600.5, "init_batch_size": 128,

@@ -1,7 +1,7 @@
 """Atomic JSON files, and making a rename durable.
 
 One writer for every small JSON file the project rewrites in place: a
-job's ``hints.json`` (:func:`adaptive.batchsize.hints.write_hints`), the scheduler
+job's ``hints.json`` (:func:`adaptive.goodput.hints.write_hints`), the scheduler
 supervisor's state and the executor's status. The document goes to a
 temporary file in the same folder, is flushed and fsync'ed, then renamed
 over the target with ``os.replace`` (atomic on POSIX and Windows); the
@@ -12,6 +12,11 @@ the previous content in place.
 :func:`fsync_dir` is the one way the library syncs a folder: best effort
 for these JSON files, strict for checkpoints (:mod:`adaptive.checkpoint.store`),
 which must not claim durability they do not have.
+
+The scheduler uses :func:`write_json_atomic` and :func:`read_json` by their
+public names in :mod:`adaptive.goodput` (the face of what a job and the
+scheduler share); this module stays the one implementation, on the ground
+floor, because the checkpoint store syncs its folders with :func:`fsync_dir`.
 """
 
 from __future__ import annotations

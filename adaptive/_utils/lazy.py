@@ -2,8 +2,8 @@
 
 The package faces (``adaptive``, ``adaptive.batchsize``, ...) name classes
 from modules that need torch next to modules that do not. Importing the
-face eagerly would make ``import adaptive.batchsize.goodput`` (the
-scheduler's goodput model) import torch; with :func:`lazy_exports` each
+face eagerly would make ``import adaptive.batchsize.rampup`` (torch-free
+schedules) import torch; with :func:`lazy_exports` each
 name's module is imported when the name is first used (PEP 562).
 """
 

@@ -1,23 +1,26 @@
 """Batch-size control: what batch size, learning rate and replica count to use.
 
-The gradient noise scale (:mod:`.gns`, its arithmetic in :mod:`.noise_estimate`),
-the goodput model (:mod:`.goodput`), its fit to measured step times
-(:mod:`.throughput_fit`) and the record of those times
-(:mod:`.throughput_profile`), the controller that picks batch sizes
+The gradient noise scale (:mod:`.gns`, torch hooks feeding the arithmetic
+of :mod:`adaptive.goodput.noise_estimate`), the record of measured step
+times (:mod:`.throughput_profile`), the controller that picks batch sizes
 (:mod:`.autoscale`), learning-rate scaling rules (:mod:`.scaling_rules`,
-:mod:`.step_lr`), ramp-up schedules (:mod:`.rampup`) and the hints a job
-gives the cluster scheduler (:mod:`.hints`).
+:mod:`.step_lr`), ramp-up schedules (:mod:`.rampup`) and the posting of the
+job's hints to the cluster scheduler (:mod:`.hint_posting`).
+
+The goodput model, its fit and the hints format are shared with the
+scheduler and live in the torch-free :mod:`adaptive.goodput`; this face
+still exports their names (``GoodputFunction``, ``Hints``, ...).
 """
 
 from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
     "GradientNoiseScale": "adaptive.batchsize.gns",
-    "GoodputFunction": "adaptive.batchsize.goodput",
-    "GradParams": "adaptive.batchsize.goodput",
-    "PerfParams": "adaptive.batchsize.goodput",
+    "GoodputFunction": "adaptive.goodput.model",
+    "GradParams": "adaptive.goodput.model",
+    "PerfParams": "adaptive.goodput.model",
     "ThroughputProfile": "adaptive.batchsize.throughput_profile",
-    "fit_perf_params": "adaptive.batchsize.throughput_fit",
+    "fit_perf_params": "adaptive.goodput.fit",
     "AutoscaleConfig": "adaptive.batchsize.autoscale",
     "BatchSizeController": "adaptive.batchsize.autoscale",
     "ScalingRule": "adaptive.batchsize.scaling_rules",
@@ -30,9 +33,9 @@ _EXPORTS = {
     "ConstantSchedule": "adaptive.batchsize.rampup",
     "LinearRampup": "adaptive.batchsize.rampup",
     "StagedSchedule": "adaptive.batchsize.rampup",
-    "Hints": "adaptive.batchsize.hints",
-    "read_hints": "adaptive.batchsize.hints",
-    "write_hints": "adaptive.batchsize.hints",
+    "Hints": "adaptive.goodput.hints",
+    "read_hints": "adaptive.goodput.hints",
+    "write_hints": "adaptive.goodput.hints",
 }
 
 __all__ = sorted(_EXPORTS)

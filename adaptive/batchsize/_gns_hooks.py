@@ -73,7 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adaptive.batchsize._gns_norms import GroupNorms
 from adaptive.batchsize._gns_precondition import Preconditioner
 from adaptive.batchsize._gns_record import StepRecord
-from adaptive.batchsize.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
+from adaptive.goodput.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
 
 __all__ = ["BackwardProbe", "StepRecord"]
 

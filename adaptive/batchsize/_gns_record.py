@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from adaptive.batchsize.noise_estimate import BatchConfig, Measurement
+from adaptive.goodput.noise_estimate import BatchConfig, Measurement
 
 __all__ = ["StepRecord"]
 

@@ -13,7 +13,7 @@ with a different number of replicas the decision is remade at once.
 
 At every decision rank 0 also writes the job's *hints* for a cluster
 scheduler (throughput-model parameters, gradient statistics, batch limits;
-see :mod:`adaptive.batchsize.hints`) to ``hints.json`` in the checkpoint folder, and
+see :mod:`adaptive.goodput.hints`) to ``hints.json`` in the checkpoint folder, and
 POSTs them to ``$ADAPTIVE_SUPERVISOR_URL/v1/jobs/<job id>/hints`` (bearer
 token ``$ADAPTIVE_SUPERVISOR_TOKEN``) when that variable is set.
 """
@@ -31,9 +31,9 @@ from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive.checkpoint import states
 from adaptive.runtime import collectives
 from adaptive.runtime import env
-from adaptive.batchsize.goodput import GoodputFunction, PerfParams
-from adaptive.batchsize.hints import CurrentConfig, Hints, post_hints, write_hints
+from adaptive.batchsize.hint_posting import post_hints
 from adaptive.batchsize.throughput_profile import ThroughputProfile
+from adaptive.goodput import CurrentConfig, GoodputFunction, Hints, PerfParams, write_hints
 
 __all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
 

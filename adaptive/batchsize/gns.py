@@ -7,7 +7,7 @@ gradient of a minibatch of ``b`` samples satisfies
 ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``.  :class:`GradientNoiseScale` keeps
 moving averages of ``sqr = |G|^2`` and ``var = tr(Sigma) / init_batch_size``
 per optimizer parameter group (the arithmetic, and why each measurement
-is weighted, is in :mod:`adaptive.batchsize.noise_estimate`), and derives
+is weighted, is in :mod:`adaptive.goodput.noise_estimate`), and derives
 
 * ``noise_scale() = tr(Sigma) / |G|^2`` (the simple noise scale, in samples);
 * ``gain(scale) = (var + sqr) / (var / scale + sqr)``: how many reference
@@ -70,9 +70,9 @@ from torch.nn.parallel import DistributedDataParallel
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize._gns_hooks import BackwardProbe
 from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.batchsize.goodput import GradParams
-from adaptive.batchsize.noise_estimate import BatchConfig, NoiseAverages
 from adaptive.checkpoint.versions import StateFormatError
+from adaptive.goodput.model import GradParams
+from adaptive.goodput.noise_estimate import BatchConfig, NoiseAverages
 
 __all__ = ["GradientNoiseScale"]
 
@@ -312,7 +312,7 @@ class GradientNoiseScale:
         return (var + sqr) / (var / scale + sqr)
 
     def to_grad_params(self) -> GradParams | None:
-        """The estimates as :class:`~adaptive.batchsize.goodput.GradParams`, or None before any."""
+        """The estimates as :class:`~adaptive.goodput.model.GradParams`, or None before any."""
         totals = self._totals(None)
         if totals is None or totals[0] + totals[1] <= 0:
             return None

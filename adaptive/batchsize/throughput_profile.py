@@ -1,7 +1,7 @@
 """The bounded, checkpointable record of measured step times (numpy only).
 
-The throughput model of :mod:`adaptive.batchsize.goodput` is fitted
-(:func:`adaptive.batchsize.throughput_fit.fit_perf_params`) to the mean
+The throughput model of :mod:`adaptive.goodput.model` is fitted
+(:func:`adaptive.goodput.fit.fit_perf_params`) to the mean
 times this profile keeps per configuration.  Its :meth:`~ThroughputProfile.state_dict`
 (format version 1) travels in the autoscale controller's checkpoint.
 """
@@ -16,9 +16,8 @@ import numpy as np
 
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.batchsize.goodput import PerfParams
-from adaptive.batchsize.throughput_fit import fit_perf_params
 from adaptive.checkpoint.versions import StateFormatError
+from adaptive.goodput import PerfParams, fit_perf_params
 
 __all__ = ["ThroughputProfile"]
 

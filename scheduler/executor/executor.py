@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive._utils.files import read_json
+from adaptive.goodput import read_json
 from scheduler.allocator import Allocator
 from scheduler.cluster import Allocation, ClusterSpec, make_allocation
 from scheduler.executor.backend import LOST_NODE_EXIT, Assignment, Backend

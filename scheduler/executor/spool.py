@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from adaptive._utils.files import read_json, write_json_atomic
+from adaptive.goodput import read_json, write_json_atomic
 from scheduler.executor.jobspec import JobSpec, load_job_spec
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ job behaves like a job using the adaptive loader:
 * it learns its throughput model online: on every (nodes, replicas) it has
   run on, it knows the step times at the measured local batch sizes (a
   real job profiles the batch sizes it tries there), and its model is
-  :func:`adaptive.batchsize.throughput_fit.fit_perf_params` over those measurements. The
+  :func:`adaptive.goodput.fit_perf_params` over those measurements. The
   fit depends only on the model and the set of (nodes, replicas) visited,
   so :class:`ThroughputModels` shares it between jobs;
 * it reports the gradient statistics of its current batch size and epoch;
@@ -31,8 +31,7 @@ import math
 
 import numpy as np
 
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
-from adaptive.batchsize.throughput_fit import fit_perf_params
+from adaptive.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
 from scheduler.cluster import Allocation, num_nodes_of, placement_of
 from scheduler.profiles import ModelProfile
 from scheduler.sim.workload import WorkloadJob

@@ -75,7 +75,7 @@ class SupervisorClient:
         return self._request("GET", "/v1/jobs")["jobs"]
 
     def post_hints(self, job_id: str, hints: Mapping[str, Any]) -> None:
-        """Report hints (a dict in the ``adaptive.batchsize.hints`` format)."""
+        """Report hints (a dict in the ``adaptive.goodput.hints`` format)."""
         self._request("POST", f"/v1/jobs/{job_id}/hints", dict(hints))
 
     def get_hints(self, job_id: str) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ Endpoints (JSON bodies; every one but ``/v1/health`` needs the header
     GET    /v1/jobs                      {"jobs": {id: record}}
     PUT    /v1/jobs/<id>                 register: {"min_replicas", "max_replicas", "preemptible", "submission_time"}
     DELETE /v1/jobs/<id>                 forget a job
-    POST   /v1/jobs/<id>/hints           report hints (adaptive.batchsize.hints JSON; its job_id must be <id>)
+    POST   /v1/jobs/<id>/hints           report hints (adaptive.goodput.hints JSON; its job_id must be <id>)
     GET    /v1/jobs/<id>/hints           the latest hints, or null
     GET    /v1/jobs/<id>/allocation      {"job_id", "allocation": [node, ...], "num_replicas", "version"}
 

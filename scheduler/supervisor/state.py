@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from adaptive._utils.files import read_json, write_json_atomic
+from adaptive.goodput import read_json, write_json_atomic
 from scheduler.cluster import Allocation, make_allocation
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class SupervisorState:
         path: JSON file to persist to (``None``: in memory only). Loaded if it
             exists; a corrupt file is an error rather than silently dropped.
         hints_parser: turns a hints dict into a validated object with
-            ``state_dict()`` (default :meth:`adaptive.batchsize.hints.Hints.from_state_dict`).
+            ``state_dict()`` (default :meth:`adaptive.goodput.Hints.from_state_dict`).
         clock: time source (seconds).
     """
 
@@ -114,7 +114,7 @@ class SupervisorState:
 
     def _parse_hints(self, data: Mapping[str, Any]) -> Any:
         if self._hints_parser is None:
-            from adaptive.batchsize.hints import Hints  # the job-side format; imported on first use
+            from adaptive.goodput import Hints  # the format jobs report; imported on first use
 
             self._hints_parser = Hints.from_state_dict
         return self._hints_parser(data)

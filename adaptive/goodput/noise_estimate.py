@@ -21,6 +21,10 @@ the two has moved on.  When the estimator changes (one replica's
 *differenced* estimator <-> replicas or accumulation, e.g. after a restart)
 the earlier averages are discounted so the new measurements take over
 quickly while the estimate stays usable.
+
+It sits with the goodput model, torch-free, because what it estimates is
+the model's :class:`~adaptive.goodput.model.GradParams`; only the hooks that
+read the norms from the device need torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""The exact search behind :meth:`GoodputFunction.optimize` (numpy only).
+"""The exact search behind :meth:`adaptive.goodput.model.GoodputFunction.optimize` (numpy only).
 
 For one placement (nodes, replicas) it finds the ``(local_bsz,
 accum_steps)`` of highest goodput among every feasible integer
 configuration, without evaluating all of them; see :func:`optimize_one`.
+A module of its own because it has a contract of its own: it takes any
+unvalidated goodput callable (:data:`GoodputOf`) whose step time never
+decreases with more accumulation steps, and knows nothing else of the
+model (it imports no part of it).
 """
 
 from __future__ import annotations

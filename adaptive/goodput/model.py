@@ -25,11 +25,14 @@ batch size still gets (statistical efficiency).  Both halves are models:
 
 :meth:`GoodputFunction.optimize` picks the local batch size and number of
 accumulation steps of highest goodput, exactly (it returns the same
-goodput as trying every feasible integer configuration).  The parameters
-are fitted to measured step times by
-:func:`adaptive.batchsize.throughput_fit.fit_perf_params`, from the record
+goodput as trying every feasible integer configuration; the search is
+:mod:`adaptive.goodput.search`).  The parameters are fitted to measured
+step times by :func:`adaptive.goodput.fit.fit_perf_params`, from the record
 kept by :class:`adaptive.batchsize.throughput_profile.ThroughputProfile`.
-Everything here is numpy only (the scheduler imports it without torch).
+The formulas themselves are the private functions below (unvalidated,
+numpy-broadcastable); :func:`overlap` is public for the fit.
+Everything here is numpy only: the job's batch-size controller and the
+cluster scheduler both import it, and the scheduler has no torch.
 
 :class:`PerfParams` and :class:`GradParams` are saved (in checkpoints and in
 the scheduler hints) with ``state_dict()`` and read with
@@ -46,12 +49,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from adaptive._utils.checks import check_float, check_int
-from adaptive.batchsize import _goodput_search as search
-from adaptive.batchsize import _throughput_model as model
 from adaptive.batchsize._state_format import check_fields, read_state
 from adaptive.checkpoint.versions import UNVERSIONED
+from adaptive.goodput import search
 
-__all__ = ["PerfParams", "GradParams", "GoodputFunction", "GAMMA_MAX", "PERF_FIELDS"]
+__all__ = ["PerfParams", "GradParams", "GoodputFunction", "GAMMA_MAX", "PERF_FIELDS", "overlap"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,49 @@ class GradParams:
         return cls(sqr=fields["sqr"], var=fields["var"])
 
 
+# ------------------------------------------------------------------ formulas
+# Unvalidated and numpy-broadcastable: GoodputFunction checks its arguments and
+# calls these; the fit (adaptive.goodput.fit) evaluates overlap() for many
+# parameter vectors at once.  The formulas are in the module docstring.
+
+def _compute_time(p: PerfParams, local_bsz: Any) -> np.ndarray:
+    """Seconds of one micro-batch's forward and backward."""
+    return p.alpha_c + p.beta_c * np.asarray(local_bsz, dtype=float)
+
+
+def _sync_time(p: PerfParams, num_nodes: Any, num_replicas: Any) -> np.ndarray:
+    """Seconds of one gradient synchronisation (0 for one replica)."""
+    nodes = np.asarray(num_nodes, dtype=float)
+    replicas = np.asarray(num_replicas, dtype=float)
+    extra = np.maximum(replicas - 2.0, 0.0)
+    multi_node = p.alpha_n + p.beta_n * extra
+    one_node = p.alpha_r + p.beta_r * extra
+    return np.where(replicas > 1, np.where(nodes > 1, multi_node, one_node), 0.0)
+
+
+def overlap(compute: np.ndarray, sync: np.ndarray, gamma: Any) -> np.ndarray:
+    """``(compute**gamma + sync**gamma) ** (1/gamma)`` without overflow."""
+    high = np.maximum(compute, sync)
+    low = np.minimum(compute, sync)
+    ratio = np.divide(low, high, out=np.zeros_like(high, dtype=float), where=high > 0)
+    return high * (1.0 + ratio ** gamma) ** (1.0 / gamma)
+
+
+def _step_time(p: PerfParams, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> np.ndarray:
+    """Seconds of one optimizer step: ``accum_steps - 1`` plain micro-batches,
+    then one whose backward overlaps the synchronisation."""
+    compute = _compute_time(p, local_bsz)
+    sync = _sync_time(p, num_nodes, num_replicas)
+    accum = np.asarray(accum_steps, dtype=float)
+    return (accum - 1.0) * compute + overlap(compute, sync, p.gamma)
+
+
+def _efficiency(g: GradParams, init_batch_size: int, batch_size: Any) -> np.ndarray:
+    """``gain / scale`` of a global batch (batches below the reference count as 1)."""
+    scale = np.maximum(np.asarray(batch_size, dtype=float) / init_batch_size, 1.0)
+    return (g.var + g.sqr) / (g.var + scale * g.sqr)
+
+
 def _as_output(value: Any, scalar: bool, kind: type) -> Any:
     return kind(value) if scalar else np.asarray(value)
 
@@ -189,7 +234,7 @@ class GoodputFunction:
         for value, name in ((num_nodes, "num_nodes"), (num_replicas, "num_replicas"),
                             (local_bsz, "local_bsz"), (accum_steps, "accum_steps")):
             _check_at_least_one(value, name)
-        return _as_output(model.step_time(self._perf, num_nodes, num_replicas, local_bsz, accum_steps), scalar, float)
+        return _as_output(_step_time(self._perf, num_nodes, num_replicas, local_bsz, accum_steps), scalar, float)
 
     def throughput(self, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> Any:
         """Predicted samples per second (numpy-broadcastable)."""
@@ -206,21 +251,21 @@ class GoodputFunction:
         is not trusted to reward them).
         """
         _check_at_least_one(batch_size, "batch_size")
-        return _as_output(model.efficiency(self._grad, self._init, batch_size), np.ndim(batch_size) == 0, float)
+        return _as_output(_efficiency(self._grad, self._init, batch_size), np.ndim(batch_size) == 0, float)
 
     def evaluate(self, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> Any:
         """Goodput: throughput x efficiency(num_replicas * local_bsz * accum_steps)."""
         throughput = self.throughput(num_nodes, num_replicas, local_bsz, accum_steps)
         batch = (np.asarray(num_replicas, dtype=float) * np.asarray(local_bsz, dtype=float)
                  * np.asarray(accum_steps, dtype=float))
-        result = throughput * model.efficiency(self._grad, self._init, batch)
+        result = throughput * _efficiency(self._grad, self._init, batch)
         return result if np.ndim(result) else float(result)
 
     def _goodput(self, nodes: int, replicas: int, local_bsz: np.ndarray, accum: np.ndarray) -> np.ndarray:
         """Unvalidated goodput for one placement and arrays of (local_bsz, accum)."""
-        step = model.step_time(self._perf, nodes, replicas, local_bsz, accum)
+        step = _step_time(self._perf, nodes, replicas, local_bsz, accum)
         batch = replicas * np.asarray(local_bsz, dtype=float) * np.asarray(accum, dtype=float)
-        return batch / step * model.efficiency(self._grad, self._init, batch)
+        return batch / step * _efficiency(self._grad, self._init, batch)
 
     def optimize(self, num_nodes: Any, num_replicas: Any, max_batch_size: int | None = None,
                  local_bsz_bounds: Sequence[int | None] | None = None,

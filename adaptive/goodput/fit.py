@@ -1,12 +1,14 @@
 """Fitting the goodput model's step-time parameters to measured times (numpy only).
 
-:func:`fit_perf_params` finds the :class:`~adaptive.batchsize.goodput.PerfParams`
+:func:`fit_perf_params` finds the :class:`~adaptive.goodput.model.PerfParams`
 whose predicted step, compute and synchronisation times best match the
 measurements (squared log-errors, Huber-weighted against outliers), with
 weak priors for what the measurements cannot decide.  The search is a
 small projected Levenberg-Marquardt over log-parameters (and a logistic
 transform of gamma), started from a few guesses derived from the data, or
-from a previous fit when the profile grows.
+from a previous fit when the profile grows.  The job fits its own record
+(:meth:`adaptive.batchsize.throughput_profile.ThroughputProfile.fit`) and
+the scheduler's simulator fits the measurements of its trace, both with this.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from adaptive.batchsize._throughput_model import overlap
-from adaptive.batchsize.goodput import GAMMA_MAX, PERF_FIELDS, PerfParams
+from adaptive.goodput.model import GAMMA_MAX, PERF_FIELDS, PerfParams, overlap
 
 __all__ = ["fit_perf_params"]
 

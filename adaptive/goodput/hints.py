@@ -1,4 +1,4 @@
-"""Scheduler hints: what a training job tells the cluster scheduler about itself.
+"""The scheduler hints format: what a training job tells the cluster scheduler about itself.
 
 A job periodically summarises its throughput model, gradient statistics,
 batch-size limits and how much of its declared training is done as a small
@@ -34,9 +34,11 @@ Version 1 documents (written before ``completed_fraction`` existed) are
 migrated explicitly and read with ``completed_fraction`` null.  Its nested
 records carry no version of their own: the document's version covers
 them.  It is written to ``hints.json`` in the checkpoint directory
-(atomically, with :func:`adaptive._utils.files.write_json_atomic`) and, when a scheduler
-URL is configured, POSTed to it as ``application/json``.  The scheduler
-rebuilds the job's :class:`adaptive.batchsize.goodput.GoodputFunction` from it.
+(atomically, with :func:`adaptive.goodput.write_json_atomic`) and, when a scheduler
+URL is configured, POSTed to it as ``application/json``
+(:func:`adaptive.batchsize.hint_posting.post_hints`, the job's side only).
+The scheduler rebuilds the job's :class:`adaptive.goodput.model.GoodputFunction`
+from it.  This module is the format both sides share, torch-free.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -52,10 +53,10 @@ from typing import Any, Iterator, Mapping
 from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive._utils.files import write_json_atomic
 from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.batchsize.goodput import GoodputFunction, GradParams, PerfParams
 from adaptive.checkpoint.versions import UNVERSIONED, StateFormatError
+from adaptive.goodput.model import GoodputFunction, GradParams, PerfParams
 
-__all__ = ["HINTS_VERSION", "HINTS_FILENAME", "CurrentConfig", "Hints", "write_hints", "read_hints", "post_hints"]
+__all__ = ["HINTS_VERSION", "HINTS_FILENAME", "CurrentConfig", "Hints", "write_hints", "read_hints"]
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,8 @@ class Hints:
         }
 
     def to_json(self) -> str:
-        """:meth:`state_dict` as JSON text (what :func:`write_hints` writes and :func:`post_hints` sends)."""
+        """:meth:`state_dict` as JSON text (what :func:`write_hints` writes and
+        :func:`~adaptive.batchsize.hint_posting.post_hints` sends)."""
         return json.dumps(self.state_dict(), sort_keys=False, allow_nan=False)
 
     @classmethod
@@ -308,24 +310,3 @@ def read_hints(path: str | os.PathLike) -> Hints:
     with open(_hints_path(path), "rb") as handle:
         return Hints.from_json(handle.read())
 
-
-def post_hints(url: str, hints: Hints, timeout: float = 5.0, token: str | None = None) -> None:
-    """POST ``hints.to_json()`` to ``url`` (``application/json``).
-
-    For the project's supervisor the URL is
-    ``<supervisor>/v1/jobs/<job_id>/hints`` and ``token`` its bearer token.
-
-    Raises ``OSError`` (including ``urllib.error.URLError``) when the
-    scheduler cannot be reached or answers with an error status; callers
-    that must not fail on a missing scheduler catch and log it.
-    """
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"url must be an http(s) URL, got {url!r}")
-    check_float("timeout", timeout, 0.0, strict_minimum=True)
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=hints.to_json().encode("utf-8"), method="POST", headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (http(s) only)
-        response.read()
-    logger.debug("posted hints of job %s to %s", hints.job_id, url)
