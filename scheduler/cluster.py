@@ -11,12 +11,24 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from scheduler.job_info import JobInfo
+from typing import Protocol
 
 Allocation = tuple[int, ...]
+
+
+class ReplicaBounds(Protocol):
+    """What :func:`check_allocations` reads of a job (a :class:`scheduler.job_info.JobInfo` has it)."""
+
+    @property
+    def min_replicas(self) -> int:
+        """The fewest replicas the job runs with."""
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the job runs with."""
+
+    def is_pinned(self, current: Allocation) -> bool:
+        """Whether the job must keep ``current`` (non-preemptible and running)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ def free_gpus(cluster: ClusterSpec, allocations: Mapping[str, Allocation]) -> li
 
 
 def check_allocations(allocations: Mapping[str, Allocation], cluster: ClusterSpec,
-                      jobs: Mapping[str, "JobInfo"],
+                      jobs: Mapping[str, ReplicaBounds],
                       current: Mapping[str, Allocation] | None = None,
                       exclusive_multinode: bool = True) -> None:
     """Raise ``ValueError`` if ``allocations`` break a policy invariant.

@@ -45,7 +45,10 @@ Integration
     model.set_requires_gradient_sync(False)) ...
     gns.gain(gns.scale), gns.noise_scale(), gns.to_grad_params()
 
-``set_batch_config`` must describe the steps that follow.  Losses must be
+``set_batch_config`` must describe the steps that follow.  Inside the
+adaptive wrappers nobody calls it by hand: each wrapper configures its
+estimator at every forward from the step the loader published
+(:class:`adaptive.runtime.step.StepContext`).  Losses must be
 means over the micro-batch (the usual reduction).  Extra backward passes
 through the model outside training steps (e.g. ``torch.autograd.grad`` for
 a gradient penalty) would be counted as micro-steps.
