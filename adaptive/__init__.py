@@ -74,7 +74,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from adaptive.data.tokens.lengths import OversizeSampleError
     from adaptive.runtime import env
     from adaptive.elastic.accumulator import Accumulator
-    from adaptive.runtime.collectives import CollectiveError, init_process_group
+    from adaptive.runtime.collectives import init_process_group
+    from adaptive.runtime.errors import CollectiveError
     from adaptive.elastic.epoch import (current_epoch, finish_training, finished_epochs, remaining_epochs_until,
                                         training_finished)
     from adaptive.elastic.sync_points import request_stop

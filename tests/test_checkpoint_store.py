@@ -643,6 +643,24 @@ def _file_instead_of_dir(directory: Path) -> None:
     directory.write_text("a file named like a checkpoint")
 
 
+def test_a_version_1_manifest_is_still_read_without_a_sharded_part(tmp_path: Path) -> None:
+    """Format 1 manifests (no sharded part) are migrated; a "sharded" key in one means nothing."""
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(states_for(1), metadata={"tag": 1})
+    directory = tmp_path / _format.dir_name(1)
+
+    def as_version_1(body: dict) -> None:
+        body["version"] = 1
+        del body["sharded"]
+
+    rewrite_manifest(directory, as_version_1)
+    latest = store.latest()
+    assert latest.info.seq == 1 and latest.info.metadata == {"tag": 1} and latest.sharded_names() == []
+    rewrite_manifest(directory, lambda body: body.update(sharded={"states": ["model"], "files": "junk"}))
+    assert store.latest().sharded_names() == []
+    assert _format.READABLE_VERSIONS == (1, 2)
+
+
 DAMAGE = {
     "flipped byte": (_flip_byte, "sha256"),
     "truncated": (_truncate, "truncated"),

@@ -9,7 +9,7 @@ import torch
 
 import adaptive
 from adaptive.checkpoint import states
-from adaptive.checkpoint.versions import StateFormatError, upgrade
+from adaptive.checkpoint.versions import UNVERSIONED, Format, StateFormatError, check_fields, read_state
 from adaptive.elastic import sync_points
 from adaptive.parallel._training import TrainedModels, trained_models
 from adaptive.runtime.job import current_job, reset_job
@@ -75,15 +75,40 @@ def test_a_reset_gives_back_the_signal_handlers(job):
 
 
 def test_upgrade_migrates_step_by_step_and_refuses_newer_or_unknown_formats():
-    steps = {1: lambda s: dict(s, b=0), 2: lambda s: dict(s, c=s["b"] + 1)}
-    assert upgrade("thing", {"a": 1}, 1, 3, steps) == {"a": 1, "b": 0, "c": 1}
-    assert upgrade("thing", {"a": 1}, 3, 3, steps) == {"a": 1}
+    thing = Format("thing", version=3, migrations={1: lambda s: dict(s, b=0), 2: lambda s: dict(s, c=s["b"] + 1)})
+    assert thing.readable == (1, 2, 3)
+    assert thing.upgrade({"a": 1}, 1) == {"a": 1, "b": 0, "c": 1}
+    assert thing.upgrade({"a": 1}, 3) == {"a": 1}
     with pytest.raises(StateFormatError, match="thing was saved in format version 4.*reads up to version 3"):
-        upgrade("thing", {}, 4, 3, steps)
-    with pytest.raises(StateFormatError, match="no migration from format version 1"):
-        upgrade("thing", {}, 1, 2, {})
+        thing.upgrade({}, 4)
+    with pytest.raises(StateFormatError, match="no migration from format version 1 to 2; this release reads "
+                                               "versions 2..2"):
+        Format("thing", version=2).upgrade({}, 1)
     with pytest.raises(StateFormatError, match="integer >= 1"):
-        upgrade("thing", {}, "2", 2, steps)
+        thing.upgrade({}, "2")
+
+
+def test_one_reader_for_a_versioned_dict_declared_by_a_format_or_by_a_class():
+    """``Format.read`` takes the ``"version"`` key off and migrates; a class declares the same two names."""
+    thing = Format("thing", version=2, migrations={1: lambda s: dict(s, b=0)})
+    assert thing.read({"version": 1, "a": 1}) == {"a": 1, "b": 0}
+    with pytest.raises(StateFormatError, match="thing: saved state has no 'version' key \\(format version 2"):
+        thing.read({"a": 1})
+    with pytest.raises(StateFormatError, match="thing: saved state must be a mapping \\(dict\\), got list"):
+        thing.read([1])
+    assert Format("thing", 2, thing.migrations, unversioned=UNVERSIONED).read({"a": 1}) == {"a": 1, "b": 0}
+
+    class Thing:
+        version = 2
+        migrations = thing.migrations
+
+    assert Format.of(Thing, "thing") == thing
+    assert read_state("thing", {"version": 2, "a": 1, "b": 2}, Thing()) == {"a": 1, "b": 2}
+    check_fields("thing", {"a": 1, "b": 2}, ("a",), optional=("b",))
+    with pytest.raises(StateFormatError, match="thing is missing \\['a'\\]"):
+        check_fields("thing", {"b": 2}, ("a",), optional=("b",))
+    with pytest.raises(StateFormatError, match="thing has unknown keys \\['c'\\]"):
+        check_fields("thing", {"a": 1, "c": 2}, ("a",))
 
 
 def test_checkpoints_record_state_versions_and_a_newer_one_is_a_clear_error(job):
@@ -98,6 +123,18 @@ def test_checkpoints_record_state_versions_and_a_newer_one_is_a_clear_error(job)
     restart_process_state()
     with pytest.raises(adaptive.CheckpointError, match="adaptive.epoch was saved in format version 3"):
         adaptive.finished_epochs()
+
+
+def test_the_manifest_lists_the_steps_that_states_declare(job):
+    """The checkpoint layer asks every state for its manifest entry (``State.manifest_step``): loaders give theirs."""
+    loader = adaptive.AdaptiveDataLoader(Indices(8), batch_size=4, name="train")
+    for _ in loader:
+        pass
+    adaptive.Accumulator()  # a state without a step
+    states.save_all_states()
+    metadata = states._checkpoint_store().latest().info.metadata
+    assert metadata["loader_steps"] == {"train": 2}
+    assert metadata["state_versions"]["adaptive.dataloader.train"] == 1
 
 
 def test_a_checkpoint_of_the_previous_release_still_resumes(job):

@@ -72,8 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize._gns_hooks import BackwardProbe
-from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.checkpoint.versions import StateFormatError
+from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GradParams
 from adaptive.goodput.noise_estimate import BatchConfig, NoiseAverages
 
@@ -119,8 +118,8 @@ class GradientNoiseScale:
     """
 
     #: Format of :meth:`state_dict`: 2 weighs each measurement (adds "magnitude").
-    VERSION = 2
-    _MIGRATIONS = {1: _weigh_unweighted}
+    version = 2
+    migrations = {1: _weigh_unweighted}
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, smoothing: float = 0.999,
                  precondition: bool | None = None, precondition_interval: int = 10,
@@ -346,15 +345,15 @@ class GradientNoiseScale:
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The estimates as plain floats, ints, lists and strings (format :attr:`VERSION`)."""
+        """The estimates as plain floats, ints, lists and strings (format :attr:`version`)."""
         with self._lock:
             self._flush()
-            return {"version": self.VERSION, **self._averages.state_fields(),
+            return {"version": self.version, **self._averages.state_fields(),
                     "init_batch_size": self._config.init_batch_size if self._config else 0}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (same number of parameter groups; versions 1 and 2)."""
-        fields = read_state("GradientNoiseScale", state, self.VERSION, self._MIGRATIONS)
+        fields = read_state("GradientNoiseScale", state, self)
         check_fields("GradientNoiseScale state", fields, _STATE_FIELDS)
         sqr, var = np.asarray(fields["sqr"], dtype=float), np.asarray(fields["var"], dtype=float)
         if sqr.shape != (self._num_groups,) or var.shape != (self._num_groups,):

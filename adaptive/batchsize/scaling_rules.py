@@ -43,8 +43,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from adaptive._utils.checks import check_float
-from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.checkpoint.versions import UNVERSIONED
+from adaptive.checkpoint.versions import UNVERSIONED, check_fields, read_state
 
 __all__ = [
     "GainSource",
@@ -91,7 +90,7 @@ class ScalingRule(ABC):
     #: Short name accepted by :func:`make_scaling_rule`.
     name = "base"
     #: Format of :meth:`state_dict` (1: the progress counters; release 0.1 wrote them without a version).
-    VERSION = 1
+    version = 1
 
     def __init__(self) -> None:
         self._optimizer: torch.optim.Optimizer | None = None
@@ -161,13 +160,13 @@ class ScalingRule(ABC):
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Progress counters as plain numbers, format :attr:`VERSION`."""
-        return {"version": self.VERSION, "name": self.name, "progress": self.progress, "steps": self.steps,
+        """Progress counters as plain numbers, format :attr:`version`."""
+        return {"version": self.version, "name": self.name, "progress": self.progress, "steps": self.steps,
                 "samples": self.samples, "last_factor": self.last_factor, "last_gain": self.last_gain}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (also one of another rule: its progress carries over)."""
-        fields = read_state("scaling rule", state, self.VERSION, unversioned=UNVERSIONED)
+        fields = read_state("scaling rule", state, self, unversioned=UNVERSIONED)
         check_fields("scaling rule state", fields, _STATE_FIELDS, optional=("base_warmup_steps",))
         if fields["name"] != self.name:
             logger.warning("restoring %s progress into a %s rule", fields["name"], self.name)

@@ -15,8 +15,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from adaptive._utils.checks import check_float, check_int
-from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.checkpoint.versions import StateFormatError
+from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput import PerfParams, fit_perf_params
 
 __all__ = ["ThroughputProfile"]
@@ -43,7 +42,7 @@ class ThroughputProfile:
     """
 
     #: Format of :meth:`state_dict` (1: the rows of every configuration).
-    VERSION = 1
+    version = 1
 
     def __init__(self, max_entries: int = 256, window: int = 64) -> None:
         self._max_entries = check_int("max_entries", max_entries, 1)
@@ -130,12 +129,12 @@ class ThroughputProfile:
         """Plain ints, floats and lists (safe to checkpoint and to JSON)."""
         rows = [list(key) + [entry["updated"]] + [entry[n] for n in _TIMES] + [entry[n + "_count"] for n in _TIMES]
                 for key, entry in sorted(self._entries.items())]
-        return {"version": self.VERSION, "max_entries": self._max_entries, "window": self._window,
+        return {"version": self.version, "max_entries": self._max_entries, "window": self._window,
                 "clock": self._clock, "entries": rows}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; keeps this profile's own size limits."""
-        fields = read_state("ThroughputProfile", state, self.VERSION)
+        fields = read_state("ThroughputProfile", state, self)
         check_fields("ThroughputProfile state", fields, ("max_entries", "window", "clock", "entries"))
         entries: dict[_Key, dict[str, float]] = {}
         width = 5 + 2 * len(_TIMES)

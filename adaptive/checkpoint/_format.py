@@ -9,11 +9,12 @@ names of the states whose shards every rank wrote through
 ``torch.distributed.checkpoint`` into the subdirectory ``sharded/``, and
 every file there (DCP's ``.metadata`` and one ``__<rank>_<n>.distcp`` per
 writing rank) with its size and SHA-256. Version 1 manifests (no sharded
-part) are still read. This module writes and parses that manifest
-(:func:`encode_manifest`, :func:`read_manifest`) and checks state files
-against their records (:func:`verify_file` streams a file through
-SHA-256; :func:`read_verified` returns the exact bytes it checked, so
-what is deserialised is provably what the manifest lists).
+part) are still read: :data:`MANIFEST_FORMAT` migrates them. This module
+writes and parses that manifest (:func:`encode_manifest`,
+:func:`read_manifest`) and checks state files against their records
+(:func:`verify_file` streams a file through SHA-256; :func:`read_verified`
+returns the exact bytes it checked, so what is deserialised is provably
+what the manifest lists).
 
 A checkpoint is assembled in a directory named ``.tmp-<host>-<pid>-<random>``
 (:func:`temp_name`), which readers ignore and which records who writes it,
@@ -41,9 +42,20 @@ from typing import Any
 
 import torch
 
+from adaptive.checkpoint.versions import Format
+
 FORMAT_NAME = "adaptive-checkpoint"
-FORMAT_VERSION = 2  # 2 adds the sharded part
-READABLE_VERSIONS = (1, 2)
+
+
+def _without_sharded_part(body: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 -> 2: a version 1 manifest has no sharded part (any ``"sharded"`` key in it means nothing)."""
+    return dict(body, sharded=None)
+
+
+#: The manifest's format: 2 adds the sharded part; version 1 manifests are still read.
+MANIFEST_FORMAT = Format("checkpoint manifest", version=2, migrations={1: _without_sharded_part})
+FORMAT_VERSION = MANIFEST_FORMAT.version  # what encode_manifest writes
+READABLE_VERSIONS = MANIFEST_FORMAT.readable  # (1, 2)
 MANIFEST_NAME = "manifest.json"
 SHARDED_DIR = "sharded"  # the DCP checkpoint of a checkpoint's sharded states
 #: The only file names DCP's FileSystemWriter produces with one file per rank.
@@ -185,14 +197,14 @@ def read_manifest(directory: Path, seq: int) -> Manifest:
             f"not an {FORMAT_NAME} manifest (format={found!r}); written by another tool?"
         )
     version = body.get("version")
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
         raise InvalidCheckpoint(
             f"unsupported format version {version!r} "
             f"(this library reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     if body.get("checksum") != _safe_checksum(body):
         raise InvalidCheckpoint(f"{MANIFEST_NAME} checksum mismatch (manifest damaged)")
-    return _parse_manifest_body(body, seq)
+    return _parse_manifest_body(MANIFEST_FORMAT.upgrade(body, version), seq)
 
 
 def _safe_checksum(body: dict[str, Any]) -> str | None:
@@ -203,7 +215,7 @@ def _safe_checksum(body: dict[str, Any]) -> str | None:
 
 
 def _parse_manifest_body(body: dict[str, Any], seq: int) -> Manifest:
-    """Type-check the fields of a checksummed manifest."""
+    """Type-check the fields of a checksummed manifest, brought to the current format."""
     if body.get("seq") != seq or isinstance(body.get("seq"), bool):
         raise InvalidCheckpoint(
             f"manifest sequence number {body.get('seq')!r} does not match directory ({seq})"
@@ -219,14 +231,14 @@ def _parse_manifest_body(body: dict[str, Any], seq: int) -> Manifest:
     files = [entry.file for entry in entries]
     if len(set(names)) != len(names) or len(set(files)) != len(files):
         raise InvalidCheckpoint("manifest lists a state name or file twice")
-    sharded = _parse_sharded(body.get("sharded")) if body["version"] >= 2 else None
+    sharded = _parse_sharded(body.get("sharded"))
     if sharded is not None and set(sharded.states) - set(names):
         raise InvalidCheckpoint("manifest lists a sharded state without its state file")
     return Manifest(seq=seq, created=float(created), metadata=metadata, states=entries, sharded=sharded)
 
 
 def _parse_sharded(part: Any) -> ShardedPart | None:
-    """The sharded part of a version-2 manifest (None when the checkpoint has none)."""
+    """The sharded part of a manifest (None when the checkpoint has none)."""
     if part is None:
         return None
     if not isinstance(part, dict) or not isinstance(part.get("states"), list) \

@@ -62,7 +62,7 @@ from adaptive.runtime import launch_status
 from adaptive.checkpoint._safe_load import validate_metadata as _validate_metadata
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import stream
-from adaptive.checkpoint.versions import UNVERSIONED, Migrations, StateFormatError, upgrade
+from adaptive.checkpoint.versions import UNVERSIONED, Format, Migrations, StateFormatError
 
 __all__ = [
     "State",
@@ -110,11 +110,12 @@ class State:
     strings (what ``torch.load(weights_only=True)`` accepts), and may override
     :meth:`sync` to gather what replicas hold privately before a save.
 
-    The format is versioned: :attr:`version` is the format ``state_dict()``
-    writes (raise it when its keys change) and :attr:`migrations` brings an
-    older saved format one version forward (see
-    :mod:`adaptive.checkpoint.versions`); each checkpoint records the version
-    of every state it holds.
+    The format is versioned the way every saved format of the library is
+    (see :mod:`adaptive.checkpoint.versions`): :attr:`version` is the format
+    ``state_dict()`` writes (raise it when its keys change) and
+    :attr:`migrations` brings an older saved format one version forward.
+    Each checkpoint records the version of every state it holds, and
+    :func:`load_state` migrates an older one before ``load_state_dict``.
     """
 
     #: The format version of what :meth:`state_dict` returns.
@@ -147,6 +148,15 @@ class State:
 
     def sync(self) -> None:
         """Collective hook called on every replica just before a save."""
+
+    def manifest_step(self) -> tuple[str, int] | None:
+        """``(label, step)`` that the checkpoint's manifest lists under ``loader_steps``; None (the default): none.
+
+        A state that counts the job's steps (a data loader's) lists its count
+        there, so that a checkpoint can be described (the resume log line,
+        ``adaptive report``) without loading any state.
+        """
+        return None
 
     def is_registered(self) -> bool:
         """Whether the next checkpoint holds this state (False after a job reset or the end of its epoch)."""
@@ -350,7 +360,7 @@ def load_state(state: State) -> bool:
     versions = (checkpoint.info.metadata or {}).get("state_versions")
     saved = UNVERSIONED if versions is None else versions[state.name]  # 0.1 checkpoints record no versions
     try:
-        content = upgrade(state.name, checkpoint.load(state.name), saved, state.version, state.migrations)
+        content = Format.of(state, state.name).upgrade(checkpoint.load(state.name), saved)
     except StateFormatError as error:
         raise CheckpointError(f"checkpoint {checkpoint.info.seq}: {error}") from None
     state.load_state_dict(content)
@@ -455,9 +465,8 @@ def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict
     info = dict(metadata or {})
     info.setdefault("replicas", env.num_replicas())
     info.setdefault("nodes", env.num_nodes())
-    prefix = "adaptive.dataloader."
-    info.setdefault("loader_steps", {state.name[len(prefix):]: int(state.step) for state in states
-                                     if state.name.startswith(prefix) and hasattr(state, "step")})
+    info.setdefault("loader_steps", dict(entry for entry in (state.manifest_step() for state in states)
+                                         if entry is not None))
     info["state_versions"] = {state.name: state.version for state in states}
     if _session().generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
         info["generation"] = _session().generation.number

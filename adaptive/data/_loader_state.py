@@ -12,12 +12,15 @@ from adaptive.checkpoint import states
 
 __all__ = ["LoaderState"]
 
+#: The state of the loader named ``name`` is ``adaptive.dataloader.<name>`` (also in 0.1 checkpoints).
+_NAME_PREFIX = "adaptive.dataloader."
+
 
 class LoaderState(states.State):
     """Where a loader is: the loop in progress, its position, samples (tokens) consumed, finished loops."""
 
     def __init__(self, name: str, batch_size: int, scope: int | None) -> None:
-        super().__init__(name, scope=scope)
+        super().__init__(_NAME_PREFIX + name, scope=scope)
         self.epoch: int | None = None  # epoch of the loop in progress (None: outside epochs)
         self.loop = 0  # which loop of this loader in that epoch (1-based; 0: none yet)
         self.index = 0  # global samples consumed (or skipped) by that loop
@@ -38,6 +41,10 @@ class LoaderState(states.State):
             "consumed": self.consumed,
             "plan": self.plan,
         }
+
+    def manifest_step(self) -> tuple[str, int]:
+        """The loader's name (with the epoch that owns it, if any) and the steps it took, for the manifest."""
+        return self.name[len(_NAME_PREFIX):], int(self.step)
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]

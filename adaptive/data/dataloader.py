@@ -241,7 +241,7 @@ class AdaptiveDataLoader:
         self._report = LoaderReport(self)
         self._timing = self._report.timing
         self._scope_warned = False  # warned that this loader outlived the epoch that owns it
-        self._state = LoaderState(f"adaptive.dataloader.{name}", reference, states.epoch_scope())
+        self._state = LoaderState(name, reference, states.epoch_scope())
         if states.load_state(self._state) and self._state.batch_size != reference:
             logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
                         "batch size" if self._schedule is None else "reference batch size",

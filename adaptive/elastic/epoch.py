@@ -24,7 +24,7 @@ crash must never be checkpointed as finished.
 
 While the loop runs it remembers the declared epoch count, so that
 :func:`completed_fraction` can tell the scheduler (through the hints, see
-:mod:`adaptive.batchsize.hints`) how much of the training is done.
+:mod:`adaptive.goodput.hints`) how much of the training is done.
 """
 
 from __future__ import annotations

@@ -52,16 +52,13 @@ from typing import Any, Iterator, Mapping
 
 from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive._utils.files import write_json_atomic
-from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.checkpoint.versions import UNVERSIONED, StateFormatError
+from adaptive.checkpoint.versions import UNVERSIONED, Format, StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GoodputFunction, GradParams, PerfParams
 
 __all__ = ["HINTS_VERSION", "HINTS_FILENAME", "CurrentConfig", "Hints", "write_hints", "read_hints"]
 
 logger = logging.getLogger(__name__)
 
-#: Format of the hints document (2 adds ``completed_fraction``; version 1 documents still read).
-HINTS_VERSION = 2
 HINTS_FILENAME = "hints.json"
 
 _CURRENT_FIELDS = ("num_nodes", "num_replicas", "local_bsz", "accum_steps")
@@ -78,8 +75,10 @@ def _v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
     return dict(fields, completed_fraction=None)
 
 
-#: ``{v: f}``: how a version ``v`` document becomes version ``v + 1``.
-_MIGRATIONS = {1: _v1_to_v2}
+#: The hints document's format (2 adds ``completed_fraction``; version 1 documents are migrated).
+_FORMAT = Format("hints", version=2, migrations={1: _v1_to_v2})
+#: The format version of the hints document this release writes.
+HINTS_VERSION = _FORMAT.version
 
 
 def _field(name: str) -> str:
@@ -114,7 +113,7 @@ class CurrentConfig:
     (``current["num_replicas"]``), matching its JSON form."""
 
     #: Format of :meth:`state_dict` (1: the four counts; in hints without a version).
-    VERSION = 1
+    version = 1
 
     num_nodes: int
     num_replicas: int
@@ -144,12 +143,12 @@ class CurrentConfig:
 
     def state_dict(self) -> dict[str, int]:
         """The four counts and the format version."""
-        return {"version": self.VERSION, **{name: getattr(self, name) for name in _CURRENT_FIELDS}}
+        return {"version": self.version, **{name: getattr(self, name) for name in _CURRENT_FIELDS}}
 
     @classmethod
     def from_state_dict(cls, state: Any) -> CurrentConfig:
         """Validated inverse of :meth:`state_dict` (as in hints: without a version, read as version 1)."""
-        fields = read_state(_field("current"), state, cls.VERSION, unversioned=UNVERSIONED)
+        fields = read_state(_field("current"), state, cls, unversioned=UNVERSIONED)
         check_fields(_field("current"), fields, _CURRENT_FIELDS)
         return cls(**{k: fields[k] for k in _CURRENT_FIELDS})
 
@@ -231,7 +230,7 @@ class Hints:
         """
         if not isinstance(state, Mapping):
             raise StateFormatError(f"hints must be a JSON object, got {type(state).__name__}")
-        values = read_state("hints", state, HINTS_VERSION, _MIGRATIONS)
+        values = _FORMAT.read(state)
         _check_keys(values)
         for name, parse in (("perf_params", PerfParams.from_state_dict),
                             ("grad_params", GradParams.from_state_dict),

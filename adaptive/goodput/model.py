@@ -49,8 +49,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from adaptive._utils.checks import check_float, check_int
-from adaptive.batchsize._state_format import check_fields, read_state
-from adaptive.checkpoint.versions import UNVERSIONED
+from adaptive.checkpoint.versions import UNVERSIONED, check_fields, read_state
 from adaptive.goodput import search
 
 __all__ = ["PerfParams", "GradParams", "GoodputFunction", "GAMMA_MAX", "PERF_FIELDS", "overlap"]
@@ -75,7 +74,7 @@ class PerfParams:
     """
 
     #: Format of :meth:`state_dict` (1: the seven fields; 0.1 wrote them without a version).
-    VERSION = 1
+    version = 1
 
     alpha_c: float
     beta_c: float
@@ -94,12 +93,12 @@ class PerfParams:
 
     def state_dict(self) -> dict[str, Any]:
         """The seven parameters and the format version, JSON-ready."""
-        return {"version": self.VERSION, **{name: getattr(self, name) for name in PERF_FIELDS}}
+        return {"version": self.version, **{name: getattr(self, name) for name in PERF_FIELDS}}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> PerfParams:
         """Validated inverse of :meth:`state_dict` (exactly the seven fields)."""
-        fields = read_state("perf_params", state, cls.VERSION, unversioned=UNVERSIONED)
+        fields = read_state("perf_params", state, cls, unversioned=UNVERSIONED)
         check_fields("perf_params", fields, PERF_FIELDS)
         return cls(**{name: fields[name] for name in PERF_FIELDS})
 
@@ -116,7 +115,7 @@ class GradParams:
     """
 
     #: Format of :meth:`state_dict` (1: sqr and var; 0.1 wrote them without a version).
-    VERSION = 1
+    version = 1
 
     sqr: float
     var: float
@@ -129,12 +128,12 @@ class GradParams:
 
     def state_dict(self) -> dict[str, Any]:
         """``sqr``, ``var`` and the format version, JSON-ready."""
-        return {"version": self.VERSION, "sqr": self.sqr, "var": self.var}
+        return {"version": self.version, "sqr": self.sqr, "var": self.var}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> GradParams:
         """Validated inverse of :meth:`state_dict` (exactly ``sqr`` and ``var``)."""
-        fields = read_state("grad_params", state, cls.VERSION, unversioned=UNVERSIONED)
+        fields = read_state("grad_params", state, cls, unversioned=UNVERSIONED)
         check_fields("grad_params", fields, _GRAD_FIELDS)
         return cls(sqr=fields["sqr"], var=fields["var"])
 

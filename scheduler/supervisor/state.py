@@ -19,12 +19,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from adaptive.checkpoint.versions import Format, StateFormatError
 from adaptive.goodput import read_json, write_json_atomic
 from scheduler.cluster import Allocation, make_allocation
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+#: The state file's format (version 1: the jobs with their limits, hints and allocations).
+_FORMAT = Format("supervisor state", version=1)
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -121,9 +123,10 @@ class SupervisorState:
 
     # ------------------------------------------------------------ persistence
     def _load(self, path: str) -> None:
-        data = read_json(path)
-        if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-            raise ValueError(f"{path}: not a supervisor state file (version {STATE_VERSION})")
+        try:
+            data = _FORMAT.read(read_json(path))
+        except StateFormatError as error:
+            raise ValueError(f"{path}: not a supervisor state file that this release reads ({error})") from None
         jobs = {}
         for job_id, raw in data.get("jobs", {}).items():
             record = JobRecord.from_spec(job_id, {k: raw[k] for k in JobRecord.SPEC_KEYS if k in raw}, 0.0)
@@ -142,7 +145,7 @@ class SupervisorState:
         if not self._path:
             return
         write_json_atomic(self._path, {
-            "version": STATE_VERSION,
+            "version": _FORMAT.version,
             "allocation_version": self._state.version,
             "updated": self._state.updated,
             "jobs": {k: v.public() for k, v in self._state.jobs.items()},

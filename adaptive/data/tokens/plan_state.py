@@ -5,7 +5,7 @@ its :meth:`~TokenPlanState.state_dict` in its own state).  It does not
 depend on the replica count, so a planner with the same ``window_size`` and
 ``seed`` resumes from it exactly on any number of replicas (see
 :mod:`adaptive.data.tokens.planner`).  Saved states carry a ``version``
-and are read through :func:`adaptive.checkpoint.versions.upgrade`.  Pure
+and are read through :class:`adaptive.checkpoint.versions.Format`.  Pure
 Python (no torch).
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from adaptive._utils.checks import check_bool, check_int
-from adaptive.checkpoint.versions import Migrations, StateFormatError, upgrade
+from adaptive.checkpoint.versions import Format, StateFormatError
 
 __all__ = ["DEFAULT_WINDOW_SIZE", "TokenPlanState"]
 
@@ -24,8 +24,7 @@ DEFAULT_WINDOW_SIZE = 16384
 
 _WHAT = "token plan state"
 #: Version 1 is the format of release 0.1, which already wrote ``"version": 1``.
-_VERSION = 1
-_MIGRATIONS: Migrations = {}
+_FORMAT = Format(_WHAT, version=1)
 _INT_FIELDS = (
     "epoch", "window", "batches_done", "packed_max_tokens", "steps_done", "samples_done",
     "tokens_done", "skipped_done", "padding_done", "window_size", "seed", "num_samples",
@@ -67,7 +66,7 @@ class TokenPlanState(NamedTuple):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python snapshot (JSON-serialisable, safe for ``torch.load(weights_only=True)``)."""
-        out: dict[str, Any] = {"version": _VERSION, **self._asdict()}
+        out: dict[str, Any] = {"version": _FORMAT.version, **self._asdict()}
         out["excluded"] = list(self.excluded)
         return out
 
@@ -87,8 +86,8 @@ class TokenPlanState(NamedTuple):
             raise StateFormatError(
                 f"{_WHAT} has no 'version' key; was it written by TokenPlanState.state_dict()?"
             )
-        state = upgrade(_WHAT, dict(state), state["version"], _VERSION, _MIGRATIONS)
-        expected = set(cls._fields) | {"version"}
+        state = _FORMAT.read(state)
+        expected = set(cls._fields)
         missing, unknown = expected - set(state), set(state) - expected
         if missing or unknown:
             raise ValueError(
