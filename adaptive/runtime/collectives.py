@@ -273,4 +273,10 @@ class _Pending:
             self._work.wait()
         except (RuntimeError, dist.DistError) as error:
             raise _wrap_failure("step agreement", error) from error
+        # Keep the finished operation referenced for a few more agreements.  Gloo's worker thread can
+        # still hold the work for a moment after wait() returns; if Python dropped the tensor first, that
+        # thread would destroy the tensor's Python object and so take the interpreter's thread-state lock
+        # from a foreign thread.  A DataLoader worker forked at that instant (loaders start their workers
+        # right after an agreement) deadlocks in CPython 3.11's after-fork code (python/cpython#112275).
+        _groups().retained.append((self._work, self._tensor))
         return self._tensor.tolist()

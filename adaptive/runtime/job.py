@@ -25,6 +25,7 @@ to know none of them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Callable, TypeVar, cast
 
@@ -47,6 +48,9 @@ class ProcessGroups:
     executor: concurrent.futures.ThreadPoolExecutor | None = None  # the thread that runs asynchronous operations
     owns_default_group: bool = False  # init_process_group created the default group
     teardown_registered: bool = False
+    #: The last finished agreements' (work, tensor): released well after gloo's thread has let go of them.
+    retained: collections.deque[tuple[object, object]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=4))
 
 
 class Job:
