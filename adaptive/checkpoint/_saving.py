@@ -1,9 +1,9 @@
-"""The collective order of a save with sharded states or in the background.
+"""The one collective order of a save, blocking or in the background, with or without sharded states.
 
-Used by :func:`adaptive.checkpoint.states.save_all_states` whenever a
-:class:`~adaptive.checkpoint.states.ShardedState` is registered or the
-save is asynchronous (a save of small states only, blocking, keeps the
-simpler order of that module: rank 0 writes, then tells the others).
+Used by :func:`adaptive.checkpoint.states.save_all_states` for every save.
+Without a :class:`~adaptive.checkpoint.states.ShardedState` the steps below
+still run in the same order, with nothing to write on the ranks other than
+0 (a few small collectives, next to nothing beside the files rank 0 writes).
 
 1. **Reservation** (blocking, control group): rank 0 picks the sequence
    number and creates the temporary directory; it broadcasts both.
