@@ -16,7 +16,7 @@ from scheduler.cluster import Allocation
 from scheduler.speedup import SpeedupCache, SpeedupFunction
 
 if TYPE_CHECKING:
-    from adaptive.batchsize.hints import Hints
+    from adaptive.goodput import Hints
 
 logger = logging.getLogger(__name__)
 

@@ -94,7 +94,8 @@ class CheckpointSession:
     save_count: int = 0
     steps_at_save: int = 0  # committed loader steps when this process last took part in a save
     epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
-    name_counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # (kind, epoch scope) -> objects of that kind created so far in that scope
+    name_counts: collections.Counter[tuple[str, int | None]] = dataclasses.field(default_factory=collections.Counter)
 
 
 def _session() -> CheckpointSession:
@@ -199,7 +200,7 @@ class ShardedState(State):
         """This rank's shards: a nested dict of DTensors, tensors and plain values (called on every rank)."""
         raise NotImplementedError(f"{type(self).__name__} must implement sharded_state_dict()")
 
-    def load_sharded_state_dict(self, read: Callable[[dict], dict]) -> None:
+    def load_sharded_state_dict(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Restore the sharded part: ``read(target)`` fills ``target`` from the checkpoint and returns it."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_sharded_state_dict()")
 
@@ -461,8 +462,9 @@ def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict
     info.setdefault("loader_steps", dict(entry for entry in (state.manifest_step() for state in states)
                                          if entry is not None))
     info["state_versions"] = {state.name: state.version for state in states}
-    if _session().generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
-        info["generation"] = _session().generation.number
+    generation = _session().generation
+    if generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
+        info["generation"] = generation.number
     return info
 
 
