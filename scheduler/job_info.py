@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.cluster import Allocation
 from scheduler.speedup import SpeedupCache, SpeedupFunction
+
+if TYPE_CHECKING:
+    from adaptive.goodput import Hints
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +135,14 @@ def job_info_from_model(name: str, goodput_fn: Any, *, submission_time: float,
                    remaining_work=estimate_remaining_work(speedup_fn, progress, completed_fraction))
 
 
-def job_info_from_hints(name: str, hints: Any, *, submission_time: float, min_replicas: int = 0,
+def job_info_from_hints(name: str, hints: Hints | None, *, submission_time: float, min_replicas: int = 0,
                         max_replicas: int = 64, preemptible: bool = True, attained_service: float = 0.0,
                         num_restarts: int = 0, speedup_cache: SpeedupCache | None = None) -> JobInfo:
     """A :class:`JobInfo` from a job's reported :class:`adaptive.goodput.Hints`
     (``None`` if it has not reported yet: nothing profiled, no model)."""
-    common = dict(submission_time=submission_time, min_replicas=min_replicas, max_replicas=max_replicas,
-                  preemptible=preemptible, attained_service=attained_service, num_restarts=num_restarts)
+    common: dict[str, Any] = dict(submission_time=submission_time, min_replicas=min_replicas,
+                                  max_replicas=max_replicas, preemptible=preemptible,
+                                  attained_service=attained_service, num_restarts=num_restarts)
     if hints is None:
         return job_info_from_model(name, None, max_batch_size=None, local_bsz_bounds=None,
                                    gradient_accumulation=False, max_profiled_replicas=0, **common)

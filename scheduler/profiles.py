@@ -269,6 +269,7 @@ class ModelProfile:
         if len(values) == 2:
             (n0, v0), (n1, v1) = values
             w = (num_nodes - n0) / (n1 - n0)
+            # v0 and v1 have the same fixed length, which mypy cannot see through tuple() of a generator
             return tuple(float((1 - w) * a + w * b) for a, b in zip(v0, v1))  # type: ignore[return-value]
         if values:
             return values[0][1]

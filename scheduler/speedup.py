@@ -125,9 +125,10 @@ class SpeedupFunction:
         shape = local.shape
         goodput = np.asarray(goodput_fn.evaluate(
             np.broadcast_to(nodes[:, None], shape), np.broadcast_to(reps[:, None], shape), local, accum))
-        return np.where(feasible, goodput, 0.0).max(axis=1)
+        best: np.ndarray = np.where(feasible, goodput, 0.0).max(axis=1)
+        return best
 
-    def goodput(self, num_nodes: Sequence[int], num_replicas: Sequence[int]) -> np.ndarray:
+    def goodput(self, num_nodes: Sequence[int] | np.ndarray, num_replicas: Sequence[int] | np.ndarray) -> np.ndarray:
         """Best goodput on each (nodes, replicas) pair; 0 for 0 replicas."""
         keys = [(int(n), int(r)) for n, r in zip(num_nodes, num_replicas)]
         missing = sorted({k for k in keys if k[1] > 0 and k not in self._memo})
@@ -138,7 +139,7 @@ class SpeedupFunction:
                 self._memo[key] = float(value)
         return np.array([self._memo[k] if k[1] > 0 else 0.0 for k in keys])
 
-    def __call__(self, num_nodes: Sequence[int], num_replicas: Sequence[int]) -> np.ndarray:
+    def __call__(self, num_nodes: Sequence[int] | np.ndarray, num_replicas: Sequence[int] | np.ndarray) -> np.ndarray:
         """Speedup over one device for each (nodes, replicas) pair."""
         return self.goodput(num_nodes, num_replicas) / self._base
 
@@ -161,7 +162,7 @@ class SpeedupCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, SpeedupFunction]] = {}
+        self._entries: dict[str, tuple[tuple[object, ...], SpeedupFunction]] = {}
 
     def get(self, job: str, goodput_fn: Any, max_batch_size: int | None,
             local_bsz_bounds: Sequence[int | None] | None,

@@ -36,7 +36,7 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     if _is_bool(value):
         raise TypeError(f"{name} must be an integer{allowed}, got bool {value!r}")
     try:
-        number = operator.index(value)  # type: ignore[arg-type]
+        number = operator.index(value)  # type: ignore[arg-type]  # any object: TypeError below
     except TypeError:
         raise TypeError(f"{name} must be an integer{allowed}, got {type(value).__name__} {value!r}") from None
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):

@@ -356,6 +356,7 @@ class BackwardProbe:
 
     def _collect(self, micro_steps: int) -> None:
         config, world = self._config, self.world_size
+        assert config is not None, "a step is measured or stored only under a batch configuration"
         count = world * micro_steps
         present = [i for i, p in enumerate(self._params)
                    if (grad := self._grad(p)) is not None and not grad.is_sparse]

@@ -65,7 +65,10 @@ class GroupNorms:
 
     def root(self, index: int) -> torch.Tensor | None:
         """The preconditioner's root for parameter ``index`` (None: not preconditioned)."""
-        return self._preconditioner.roots[index] if self.precondition_active() else None
+        if not self.precondition_active():
+            return None
+        assert self._preconditioner is not None  # precondition_active() checked it
+        return self._preconditioner.roots[index]
 
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:
         work = self._workspaces.get(like.device)
@@ -84,10 +87,13 @@ class GroupNorms:
         return torch.linalg.vector_norm(source, dtype=torch.float32).square()
 
     def _grad(self, index: int) -> torch.Tensor:
-        return self._grad_of(self._params[index])
+        grad = self._grad_of(self._params[index])
+        assert grad is not None, "callers pass only the indices of parameters that have a gradient"
+        return grad
 
     def _roots(self) -> Sequence[torch.Tensor | None]:
         if self.precondition_active():
+            assert self._preconditioner is not None  # precondition_active() checked it
             return self._preconditioner.roots
         return [None] * len(self._params)
 

@@ -45,6 +45,7 @@ class StepRecord:
         values = iter(np.split(torch.cat(present).double().cpu().numpy(),
                                np.cumsum([p.numel() for p in present])[:-1]))
         big, local, prev, cross, scale, prev_scale = (next(values) if p is not None else None for p in parts)
+        assert big is not None, "self.big is a tensor, so its values are always present"
         return Measurement(self.estimator, self.config, self.count, big, local=local, prev=prev, cross=cross,
                            scale=float(scale[0]) if scale is not None else None,
                            prev_scale=float(prev_scale[0]) if prev_scale is not None else None)

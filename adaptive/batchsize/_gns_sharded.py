@@ -152,7 +152,7 @@ class FSDPLayout:
 
 def fsdp_layout(root: torch.nn.Module, process_group: Any = None) -> FSDPLayout:
     """Read the sharding of ``root`` (an ``FSDPModule``); raises for what cannot be measured."""
-    if not is_fsdp_module(root):
+    if not isinstance(root, FSDPModule):  # is_fsdp_module, spelled out so that root is typed as one
         raise TypeError(f"expected a module on which fully_shard was called, got {type(root).__name__}")
     state = root._get_fsdp_state()
     if getattr(state, "_is_root", None) is False:
@@ -161,7 +161,7 @@ def fsdp_layout(root: torch.nn.Module, process_group: Any = None) -> FSDPLayout:
     params: dict[int, Any] = {}
     param_groups = []
     for module in root.modules():
-        if is_fsdp_module(module):
+        if isinstance(module, FSDPModule):
             for group in _param_groups(module):
                 param_groups.append(group)
                 for fsdp_param in group.fsdp_params:

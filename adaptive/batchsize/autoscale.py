@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive.checkpoint import states
 from adaptive.runtime import collectives
@@ -102,12 +104,12 @@ class _AutoscaleState(states.State):
         self.accum_steps = 1
         self.replicas: int | None = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"profile": self.profile.state_dict(),
                 "perf_params": None if self.perf_params is None else self.perf_params.state_dict(),
                 "local_bsz": self.local_bsz, "accum_steps": self.accum_steps, "replicas": self.replicas}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.profile.load_state_dict(state["profile"])
         # perf_params: release 0.1 saved the seven fields without a version (read as version 1).
         self.perf_params = None if state["perf_params"] is None else PerfParams.from_state_dict(state["perf_params"])
@@ -199,10 +201,11 @@ class BatchSizeController:
         (:func:`adaptive.elastic.epoch.completed_fraction`), None when unknown.
         """
         local, accum = self.current()
+        lo, hi = self.config.local_bsz_bounds
         arrays = self.profile.to_arrays()
         return Hints(job_id=env.job_id(), timestamp=time.time(), init_batch_size=self.config.init_batch_size,
                      max_batch_size=self.config.max_batch_size,
-                     local_bsz_bounds=tuple(self.config.local_bsz_bounds),
+                     local_bsz_bounds=(lo, hi),
                      gradient_accumulation=self.config.gradient_accumulation,
                      perf_params=self._state.perf_params, grad_params=grad_params,
                      max_profiled_replicas=int(arrays["num_replicas"].max(initial=0)),
@@ -289,13 +292,13 @@ class BatchSizeController:
         reason = "the replica count changed" if force else f"goodput rises {100 * (goodput / max(now, 1e-12) - 1):.1f}%"
         return Decision(best_local, best_accum, goodput, now, reason)
 
-    def _trusted_bounds(self, arrays: dict) -> tuple[int, int]:
+    def _trusted_bounds(self, arrays: dict[str, np.ndarray]) -> tuple[int, int]:
         """The user's local batch bounds, capped at GROWTH_LIMIT times the largest size measured."""
         lo, hi = self.config.local_bsz_bounds
         largest = int(arrays["local_bsz"].max(initial=0))
         return (lo, hi) if largest == 0 else (lo, max(lo, min(hi, GROWTH_LIMIT * largest)))
 
-    def _explore(self, function: GoodputFunction, arrays: dict, local: int, accum: int, now: float,
+    def _explore(self, function: GoodputFunction, arrays: dict[str, np.ndarray], local: int, accum: int, now: float,
                  best: tuple[int, int, float]) -> Decision | None:
         """Measure a larger local batch when the throughput model cannot judge it.
 

@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypedDict
 
 import numpy as np
 import torch
@@ -81,6 +81,18 @@ __all__ = ["GradientNoiseScale"]
 logger = logging.getLogger(__name__)
 
 _STATE_FIELDS = ("sqr", "var", "weight", "estimator", "magnitude", "updates", "skipped", "init_batch_size")
+
+
+class _ProbeOptions(TypedDict):
+    """The keyword arguments that :meth:`GradientNoiseScale.attach` gives either probe."""
+
+    average_micro_steps: bool
+    precondition: bool
+    precondition_interval: int
+    measure_interval: int
+    grad_scaler: Callable[[], Any]
+    on_step_start: Callable[[], None]
+    on_failure: Callable[[], None]
 
 
 def _weigh_unweighted(fields: dict[str, Any]) -> dict[str, Any]:
@@ -187,18 +199,19 @@ class GradientNoiseScale:
         """
         if self._probe is not None:
             raise RuntimeError("this GradientNoiseScale is already attached to a model")
-        common = dict(average_micro_steps=bool(average_micro_steps), is_last_micro_step=is_last_micro_step,
-                      precondition=self._wants_precondition, precondition_interval=self._precondition_interval,
-                      measure_interval=self._measure_interval, grad_scaler=lambda: self.grad_scaler,
-                      on_step_start=self.flush, on_failure=self.detach)
+        common = _ProbeOptions(average_micro_steps=bool(average_micro_steps), precondition=self._wants_precondition,
+                               precondition_interval=self._precondition_interval,
+                               measure_interval=self._measure_interval, grad_scaler=lambda: self.grad_scaler,
+                               on_step_start=self.flush, on_failure=self.detach)
         if isinstance(model, DistributedDataParallel):
             group = process_group if process_group is not None else getattr(model, "process_group", None)
             world_size = dist.get_world_size(group)
             self._check_replicas(world_size)
             if is_last_micro_step is None:
-                common["is_last_micro_step"] = lambda: bool(model.require_backward_grad_sync)
+                is_last_micro_step = lambda: bool(model.require_backward_grad_sync)
             probe: BackwardProbe = BackwardProbe(self._optimizer, model, process_group=group,
-                                                 world_size=world_size, **common)
+                                                 world_size=world_size, is_last_micro_step=is_last_micro_step,
+                                                 **common)
         else:
             from adaptive.batchsize._gns_sharded import ShardedProbe, fsdp_layout, is_fsdp_module
             if not is_fsdp_module(model):
@@ -206,7 +219,8 @@ class GradientNoiseScale:
                                 f"was called, got {type(model).__name__}")
             layout = fsdp_layout(model, process_group)
             self._check_replicas(layout.world_size)
-            probe = ShardedProbe(self._optimizer, model, layout=layout, **common)
+            probe = ShardedProbe(self._optimizer, model, layout=layout, is_last_micro_step=is_last_micro_step,
+                                 **common)
         probe.set_enabled(self._enabled)
         probe.set_config(self._config)
         self._probe = probe
@@ -267,11 +281,12 @@ class GradientNoiseScale:
     def _flush(self) -> None:
         """Fold the pending step in (caller holds the lock); a discarded one breaks
         the differenced estimator's chain of partners."""
-        record = self._probe.take_record() if self._probe is not None else None
-        if record is None:
+        probe = self._probe
+        record = probe.take_record() if probe is not None else None
+        if probe is None or record is None:
             return
         if not self._averages.add(record.read(), self._smoothing, self._measure_interval):
-            self._probe.forget_partner()
+            probe.forget_partner()
 
     def _totals(self, group: int | None) -> tuple[float, float] | None:
         if group is not None:

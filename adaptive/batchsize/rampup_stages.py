@@ -88,7 +88,7 @@ def check_stages(stages: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Validate ``(threshold, size)`` pairs: first threshold 0, strictly increasing, sizes >= 1."""
     if not stages:
         raise ValueError("a staged schedule needs at least one (threshold, size) stage")
-    out = []
+    out: list[tuple[int, int]] = []
     for position, stage in enumerate(stages):
         if len(stage) != 2:
             raise ValueError(f"stage {position} must be a (threshold, size) pair, got {stage!r}")

@@ -260,11 +260,13 @@ def _parse_sharded(part: Any) -> ShardedPart | None:
     return ShardedPart(states=tuple(names), files=tuple(files))
 
 
-def _check_record(what: str, size: Any, digest: Any) -> None:
+def _check_record(what: str, size: Any, digest: Any) -> tuple[int, str]:
+    """``(size, digest)``, checked."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise InvalidCheckpoint(f"{what!r} has a bad size {size!r}")
     if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
         raise InvalidCheckpoint(f"{what!r} has a bad sha256 {digest!r}")
+    return size, digest
 
 
 def _parse_entry(item: Any) -> StateEntry:
@@ -276,7 +278,7 @@ def _parse_entry(item: Any) -> StateEntry:
         raise InvalidCheckpoint(f"bad state name {name!r}")
     if not isinstance(file, str) or not SAFE_FILE.fullmatch(file) or file == MANIFEST_NAME:
         raise InvalidCheckpoint(f"state {name!r} has an unsafe file name {file!r}")
-    _check_record(f"state {name}", size, digest)
+    size, digest = _check_record(f"state {name}", size, digest)
     return StateEntry(name=name, file=file, size=size, sha256=digest)
 
 

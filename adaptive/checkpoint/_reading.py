@@ -124,7 +124,7 @@ class Checkpoint:
             CheckpointError: a file is missing, damaged or hostile, or a key
                 or shape of ``target`` does not match what was saved.
         """
-        if name not in self.sharded_names():
+        if self._sharded is None or name not in self.sharded_names():
             raise KeyError(
                 f"checkpoint {self._info.seq} at {self._info.path} has no sharded state named {name!r}; "
                 f"it has: {', '.join(map(repr, self.sharded_names())) or 'none'}"

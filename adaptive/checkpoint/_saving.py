@@ -1,9 +1,9 @@
-"""The collective order of a save with sharded states or in the background.
+"""The one collective order of a save, blocking or in the background, with or without sharded states.
 
-Used by :func:`adaptive.checkpoint.states.save_all_states` whenever a
-:class:`~adaptive.checkpoint.states.ShardedState` is registered or the
-save is asynchronous (a save of small states only, blocking, keeps the
-simpler order of that module: rank 0 writes, then tells the others).
+Used by :func:`adaptive.checkpoint.states.save_all_states` for every save.
+Without a :class:`~adaptive.checkpoint.states.ShardedState` the steps below
+still run in the same order, with nothing to write on the ranks other than
+0 (a few small collectives, next to nothing beside the files rank 0 writes).
 
 1. **Reservation** (blocking, control group): rank 0 picks the sequence
    number and creates the temporary directory; it broadcasts both.
@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -110,16 +110,19 @@ def save(states: list[Any], sharded: list[Any], store: CheckpointStore, info: Ca
     """Steps 1-3 above; returns the sequence number (reserved, not yet published, if not ``blocking``)."""
     started = time.monotonic()
     rank0 = env.rank() == 0
-    reservation, outcome = None, (None, None, None)
+    reservation: Reservation | None = None
+    # Rank 0's (seq, temporary directory, None), or (None, None, the failure); broadcast to every rank.
+    outcome: tuple[int | None, str | None, str | dict[str, Any] | None] = (None, None, None)
     if rank0:
         try:
             reservation = store.reserve(sharded=bool(sharded))
             outcome = (reservation.seq, str(reservation.temp), None)
         except Exception as error:
             outcome = (None, None, failure(error))
-    seq, temp, error = collectives.broadcast_object(outcome)
-    if error is not None:
-        raise_failure(error)
+    seq, temp, failed = collectives.broadcast_object(outcome)
+    if failed is not None:
+        raise_failure(failed)
+    assert seq is not None and temp is not None, "no failure: rank 0 reserved"
     job = _Save(seq=seq, temp=Path(temp), reservation=reservation, store=store, flat=None,
                 sharded=tuple(state.name for state in sharded), small=None, info=None, started=started)
     problem = None
@@ -187,18 +190,20 @@ def _write(job: _Save, group: Any) -> int:
         gathered = _allgather(group, (records, problem))
         if job.reservation is not None:
             outcome = _publish(job, gathered)
-        seq, error = _broadcast(group, outcome)
+        seq, failed = _broadcast(group, outcome)
     except collectives.CollectiveError as error:
         if job.reservation is not None and outcome == (None, None):
             job.store.abandon(job.reservation)
         raise CheckpointError(f"checkpoint {job.seq} not saved: {error}") from error
-    if error is not None:
-        raise_failure(error)
+    if failed is not None:
+        raise_failure(failed)
     return seq
 
 
 def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]) -> tuple[int | None, Any]:
     """Rank 0: publish the checkpoint if every rank wrote its shards; (seq, None) or (None, the failure)."""
+    assert job.reservation is not None, "called on rank 0, which holds the reservation"
+    assert job.small is not None and job.info is not None, "rank 0 prepared them"
     problems = [problem for _, problem in gathered if problem is not None]
     if problems:
         job.store.abandon(job.reservation)
@@ -227,7 +232,7 @@ def failure(error: BaseException, context: str = "checkpoint not saved") -> str 
     return f"{type(error).__name__}: {error}"
 
 
-def raise_failure(failure: str | dict[str, Any]) -> None:
+def raise_failure(failure: str | dict[str, Any]) -> NoReturn:
     """Raise on any rank what :func:`failure` described: :class:`StaleGenerationError` or :class:`CheckpointError`."""
     if isinstance(failure, dict):
         raise StaleGenerationError.from_fields(failure["stale"])

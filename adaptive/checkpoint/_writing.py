@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -67,7 +67,7 @@ def write_state(directory: Path, index: int, name: str, value: Any) -> StateEntr
     with open(directory / file_name, "xb", buffering=WRITE_BUFFER) as file:
         writer = HashingWriter(file)
         try:
-            torch.save(value, writer)
+            torch.save(value, cast(BinaryIO, writer))  # a duck-typed file: torch.save only writes to it
         except Exception as exc:
             # torch wraps errors from write() in a RuntimeError; surface ours.
             if writer.error is not None and writer.error is not exc:

@@ -94,7 +94,8 @@ class CheckpointSession:
     save_count: int = 0
     steps_at_save: int = 0  # committed loader steps when this process last took part in a save
     epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
-    name_counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # (kind, epoch scope) -> objects of that kind created so far in that scope
+    name_counts: collections.Counter[tuple[str, int | None]] = dataclasses.field(default_factory=collections.Counter)
 
 
 def _session() -> CheckpointSession:
@@ -199,7 +200,7 @@ class ShardedState(State):
         """This rank's shards: a nested dict of DTensors, tensors and plain values (called on every rank)."""
         raise NotImplementedError(f"{type(self).__name__} must implement sharded_state_dict()")
 
-    def load_sharded_state_dict(self, read: Callable[[dict], dict]) -> None:
+    def load_sharded_state_dict(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Restore the sharded part: ``read(target)`` fills ``target`` from the checkpoint and returns it."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_sharded_state_dict()")
 
@@ -378,9 +379,10 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
     """Checkpoint every registered state; collective, call on every replica.
 
     All replicas run each state's ``sync()``, agree that they hold the same
-    set of states, and then rank 0 writes the checkpoint and tells the
-    others how it went; with a :class:`ShardedState` every rank writes its
-    own shards first (see :mod:`adaptive.checkpoint._saving`).  If a peer
+    set of states, and then save in the one collective order of
+    :mod:`adaptive.checkpoint._saving`: rank 0 reserves the checkpoint,
+    every rank writes its own shards (with a :class:`ShardedState`), rank 0
+    writes the other states and publishes, and tells the others how it went.  If a peer
     died, a collective fails here and nothing is written, so the last
     complete checkpoint stays the newest.  A save still in flight
     (``blocking=False`` earlier) is waited for first.
@@ -421,16 +423,8 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
         )
     session = _session()
     try:
-        if sharded or not blocking:
-            return _saving.save(states, sharded, _checkpoint_store(), lambda: _manifest_info(states, metadata),
-                                blocking=blocking)
-        outcome: tuple[int | None, Any] = (None, None)
-        if env.rank() == 0:
-            outcome = _write(states, metadata)
-        seq, error = collectives.broadcast_object(outcome)
-        if error is not None:
-            _saving.raise_failure(error)
-        return seq
+        return _saving.save(states, sharded, _checkpoint_store(), lambda: _manifest_info(states, metadata),
+                            blocking=blocking)
     finally:
         session.save_count += 1
         session.last_save_time = time.monotonic()
@@ -468,21 +462,10 @@ def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict
     info.setdefault("loader_steps", dict(entry for entry in (state.manifest_step() for state in states)
                                          if entry is not None))
     info["state_versions"] = {state.name: state.version for state in states}
-    if _session().generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
-        info["generation"] = _session().generation.number
+    generation = _session().generation
+    if generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
+        info["generation"] = generation.number
     return info
-
-
-def _write(states: list[State], metadata: dict[str, Any] | None) -> tuple[int | None, Any]:
-    """Rank 0 writes the checkpoint: (its sequence number, None) or (None, the failure for every rank)."""
-    info = _manifest_info(states, metadata)
-    start = time.monotonic()
-    try:
-        saved = _checkpoint_store().save({state.name: state.state_dict() for state in states}, metadata=info)
-    except Exception as error:  # reported to every replica, which all raise it (see _saving.failure)
-        return None, _saving.failure(error)
-    _saving.report_saved(saved.seq, saved.size, time.monotonic() - start, info)
-    return saved.seq, None
 
 
 def save_count() -> int:

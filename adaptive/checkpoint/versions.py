@@ -119,7 +119,9 @@ class Format:
             raise StateFormatError(f"{self.what}: saved state has no 'version' key (format version "
                                    f"{self.version} expected)")
         fields = {key: value for key, value in state.items() if key != "version"}
-        return self.upgrade(fields, saved)
+        # The migrations of a mapping-of-fields format map a fields dict to a fields dict.
+        upgraded: dict[str, Any] = self.upgrade(fields, saved)
+        return upgraded
 
 
 def read_state(what: str, state: Any, declared: Any, *, unversioned: int | None = None) -> dict[str, Any]:

@@ -171,7 +171,7 @@ class AdaptiveDataLoader:
 
     def __init__(
         self,
-        dataset: torch.utils.data.Dataset,
+        dataset: torch.utils.data.Dataset[Any],
         batch_size: int | None = None,
         shuffle: bool = False,
         *,
@@ -232,7 +232,7 @@ class AdaptiveDataLoader:
         self._worker_seeds = torch.Generator()
         self._inner = torch.utils.data.DataLoader(dataset, batch_sampler=self._batches,
                                                   generator=self._worker_seeds, **kwargs)
-        self._loops: collections.Counter = collections.Counter()
+        self._loops: collections.Counter[int | None] = collections.Counter()  # loops started per epoch
         self._controller: BatchSizeController | None = None
         self._step_now: PlannedStep | None = None  # the step being trained
         self._weights: list[float] = []  # its micro-batches' loss weights
@@ -265,7 +265,7 @@ class AdaptiveDataLoader:
                                          self._global_tokens)
 
     @classmethod
-    def from_dataloader(cls, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
+    def from_dataloader(cls, loader: torch.utils.data.DataLoader[Any], *, shuffle: bool | None = None,
                         seed: int = 0, name: str | None = None) -> "AdaptiveDataLoader":
         """Build from an existing DataLoader, keeping its dataset, batch size and worker settings.
 
@@ -630,7 +630,7 @@ class AdaptiveDataLoader:
         self._state.finished[key] = self._state.loop
         self._batching.reset(self._state)
 
-    def _checkpoint_metadata(self) -> dict:
+    def _checkpoint_metadata(self) -> dict[str, Any]:
         return {"epoch": epoch.current_epoch(), "step": self._state.step, "loader": self.name,
                 "index": self._state.index, "batch_size": self.batch_size, "consumed": self._state.consumed,
                 "unit": self.unit}

@@ -237,6 +237,10 @@ class Batching(abc.ABC):
     def reset(self, state: Any) -> None:
         """Forget the position within the loop (a new loop starts at the beginning)."""
 
+    @abc.abstractmethod
+    def remaining_micro_steps(self, state: Any, sizer: StepSizer, replicas: int) -> int:
+        """Micro-steps of a whole epoch, from its start, at the current shape (what ``len(loader)`` returns)."""
+
     def resuming(self, state: Any) -> bool:
         """Whether ``state`` is in the middle of a loop."""
         return state.index > 0

@@ -69,16 +69,16 @@ def _add(a: Any, b: Any) -> Any:
     return b if a is None else a + b
 
 
-def _merge(totals: dict, updates: dict) -> dict:
+def _merge(totals: dict[Any, Any], updates: dict[Any, Any]) -> dict[Any, Any]:
     merged = dict(totals)
     for key, value in updates.items():
         merged[key] = _add(merged.get(key), value)
     return merged
 
 
-def _encode(values: dict) -> dict:
+def _encode(values: dict[Any, Any]) -> dict[Any, Any]:
     """Numpy arrays are stored as tensors so that checkpoints load with weights_only."""
-    out = {}
+    out: dict[Any, Any] = {}
     for key, value in values.items():
         if isinstance(value, np.ndarray):
             out[key] = {"__ndarray__": torch.from_numpy(np.ascontiguousarray(value))}
@@ -89,8 +89,8 @@ def _encode(values: dict) -> dict:
     return out
 
 
-def _decode(values: dict) -> dict:
-    out = {}
+def _decode(values: dict[Any, Any]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict) and "__ndarray__" in value:
             out[key] = value["__ndarray__"].numpy()
@@ -104,11 +104,11 @@ def _decode(values: dict) -> dict:
 class _AccumulatorState(states.State):
     """Totals, this replica's pending increments, and saved results per epoch."""
 
-    def __init__(self, name: str, initial: dict, scope: int | None) -> None:
+    def __init__(self, name: str, initial: dict[Any, Any], scope: int | None) -> None:
         super().__init__(name, scope=scope)
-        self.results: dict = dict(initial)
-        self.updates: dict = {}
-        self.results_history: dict[int | None, list[dict]] = {}
+        self.results: dict[Any, Any] = dict(initial)
+        self.updates: dict[Any, Any] = {}
+        self.results_history: dict[int | None, list[dict[Any, Any]]] = {}
 
     def sync(self) -> None:
         """Fold every replica's pending increments into the totals."""
@@ -117,17 +117,17 @@ class _AccumulatorState(states.State):
             self.results = _merge(self.results, updates)
         self.updates = {}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         history = [[key, [_encode(r) for r in results]] for key, results in self.results_history.items()]
         return {"results": _encode(self.results), "history": history}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.results = _decode(state["results"])
         self.results_history = {key: [_decode(r) for r in results] for key, results in state["history"]}
         self.updates = {}
 
 
-def _record_totals(name: str, current: int | None, results: dict) -> None:
+def _record_totals(name: str, current: int | None, results: dict[Any, Any]) -> None:
     """Rank 0 writes the numeric totals of a synchronized block to the metrics file (``adaptive report``
     draws them: losses and accuracies are the first thing users look at)."""
     values = {str(key): float(value) for key, value in results.items()
@@ -139,7 +139,7 @@ def _record_totals(name: str, current: int | None, results: dict) -> None:
                                       step=position.get("step"), values=values)
 
 
-class Accumulator(collections.abc.MutableMapping):
+class Accumulator(collections.abc.MutableMapping[Any, Any]):
     """A dict of metrics that ``synchronized()`` sums over all replicas.
 
     Args:
@@ -164,8 +164,8 @@ class Accumulator(collections.abc.MutableMapping):
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self._state = _AccumulatorState(f"adaptive.accumulator.{name}", initial, states.epoch_scope())
         states.load_state(self._state)
-        self._synchronized: dict | None = None
-        self._sync_count: collections.Counter = collections.Counter()
+        self._synchronized: dict[Any, Any] | None = None
+        self._sync_count: collections.Counter[int | None] = collections.Counter()  # synchronized() calls per epoch
 
     @contextlib.contextmanager
     def synchronized(self) -> Iterator["Accumulator"]:
@@ -200,7 +200,7 @@ class Accumulator(collections.abc.MutableMapping):
             saved.append(copy.deepcopy(self._state.results))
             _record_totals(self._state.name, current, self._state.results)
 
-    def _target(self) -> dict:
+    def _target(self) -> dict[Any, Any]:
         return self._state.updates if self._synchronized is None else self._state.results
 
     def __getitem__(self, key: Any) -> Any:

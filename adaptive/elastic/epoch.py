@@ -32,7 +32,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 from adaptive._utils.checks import check_float
 from adaptive.checkpoint import states
@@ -59,10 +59,10 @@ class _EpochState(states.State):
     version = 2  # 2 adds "ended" (finish_training)
     migrations = {1: lambda state: dict(state, ended=False)}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"current": self.current, "finished": self.finished, "ended": self.ended}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.current = state["current"]
         self.finished = int(state["finished"])
         self.ended = bool(state["ended"])
@@ -253,7 +253,7 @@ def _save_finished(state: _EpochState) -> None:
                "%s; checkpointed so that a relaunch trains nothing", what)
 
 
-def _epoch_metadata(state: _EpochState) -> dict:
+def _epoch_metadata(state: _EpochState) -> dict[str, Any]:
     """The position at an epoch boundary (the last loop's step, the next epoch to run), or where training ended."""
     if state.ended:
         epoch = state.current if state.current is not None else state.finished

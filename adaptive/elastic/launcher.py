@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from argparse import Namespace
 
 from adaptive.runtime import launch_status, process_tree
 
@@ -75,7 +76,7 @@ def _merge_rdzv_conf(user_conf: str) -> str:
     return ",".join(f"{key}={value}" for key, value in merged.items())
 
 
-def build_args(argv: list[str]):
+def build_args(argv: list[str]) -> Namespace:
     """torchrun's parsed arguments with our defaults applied.
 
     Parsed without abbreviations: the script's own options (after the script)
@@ -139,7 +140,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _local_workers(args) -> int | None:
+def _local_workers(args: Namespace) -> int | None:
     """How many workers this agent runs, when a number was given (not "auto"/"gpu")."""
     try:
         return int(args.nproc_per_node)

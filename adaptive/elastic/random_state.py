@@ -56,7 +56,9 @@ NAME = "adaptive.random_state"
 
 def _capture() -> dict[str, Any]:
     """This process's generator states, as plain safely-loadable values."""
-    numpy_state = np.random.get_state()
+    # legacy=True is the default, spelled out: numpy's stubs type a call without it as the dict form.
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple), "the global RandomState (an MT19937) gives the legacy tuple"
     python_state = random.getstate()
     captured: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -219,7 +219,7 @@ def _settle(pending: tuple[collectives.Waitable, int]) -> list[float]:
     return agreed
 
 
-def _act(metadata: Callable[[], dict]) -> None:
+def _act(metadata: Callable[[], dict[str, Any]]) -> None:
     """Act on what all replicas agreed: stop (checkpoint, exit 143) or checkpoint."""
     stop, due = _agreement().decided
     _agreement().decided[:] = [0.0, 0.0]
@@ -230,7 +230,7 @@ def _act(metadata: Callable[[], dict]) -> None:
                      blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT
 
 
-def save_or_exit(info: dict, *, blocking: bool = True) -> int:
+def save_or_exit(info: dict[str, Any], *, blocking: bool = True) -> int:
     """The library's own saves: :func:`~adaptive.checkpoint.states.save_all_states`, and if a newer
     generation fenced this incarnation, the agreed stop of a stale incarnation instead of an error."""
     try:
@@ -251,7 +251,7 @@ def _exit_stale(mine: int, newest: int) -> None:
     raise SystemExit(STALE_GENERATION_EXIT_CODE)
 
 
-def _stop(info: dict) -> None:
+def _stop(info: dict[str, Any]) -> None:
     """Save the stop's checkpoint and exit: 143 when it is durable, 1 (saying why) when not.
 
     An asynchronous save still in flight is finished first (its failure is
@@ -279,7 +279,7 @@ def _stop(info: dict) -> None:
     raise SystemExit(GRACEFUL_EXIT_CODE)
 
 
-def last_position() -> dict:
+def last_position() -> dict[str, Any]:
     """How the loop that last reached a boundary describes its position (for a manifest)."""
     return dict(_agreement().metadata())
 
@@ -290,7 +290,7 @@ def restart_spacing() -> None:
     agreement.spacing, agreement.countdown, agreement.agreed_at = 1, 0, None
 
 
-def step_boundary(metadata: Callable[[], dict]) -> None:
+def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
     """Call between two steps on every replica; may checkpoint or exit.
 
     At an agreement boundary, acts on the flags agreed at the previous one
@@ -312,7 +312,7 @@ def step_boundary(metadata: Callable[[], dict]) -> None:
     agreement.countdown = agreement.spacing
 
 
-def settle(metadata: Callable[[], dict] | None = None) -> None:
+def settle(metadata: Callable[[], dict[str, Any]] | None = None) -> None:
     """Agree now, blocking, on every replica, and act on the result.
 
     Used where a stop must not wait: before a loop's first and last steps
@@ -327,7 +327,7 @@ def settle(metadata: Callable[[], dict] | None = None) -> None:
     _act(metadata or agreement.metadata)
 
 
-def final_boundary(metadata: Callable[[], dict]) -> None:
+def final_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
     """Call on every replica when a loop has taken its last step.
 
     The agreement in flight is settled, but a stop it carries is *not* acted

@@ -58,7 +58,8 @@ def _params_from_vector(x: np.ndarray) -> tuple[np.ndarray, float]:
 
 def _gammas(xs: np.ndarray) -> np.ndarray:
     """gamma of each row of a batch of search vectors, as a column."""
-    return 1.0 + (GAMMA_MAX - 1.0) / (1.0 + np.exp(-xs[:, 6:7]))
+    gammas: np.ndarray = 1.0 + (GAMMA_MAX - 1.0) / (1.0 + np.exp(-xs[:, 6:7]))
+    return gammas
 
 
 def _predict(xs: np.ndarray, obs: _Observations) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -316,8 +317,12 @@ def fit_perf_params(num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_ste
         cost = problem.robust_cost(x)
         if cost < best_cost:
             best_x, best_cost = x, cost
+    # At least one start, and the fits only accept finite costs, so one of them was kept.
+    assert best_x is not None, "no fit kept"
     params, gamma = _params_from_vector(best_x)
-    result = PerfParams(*(float(v) for v in params), gamma=float(min(max(gamma, 1.0), GAMMA_MAX)))
+    alpha_c, beta_c, alpha_n, beta_n, alpha_r, beta_r = (float(v) for v in params)
+    result = PerfParams(alpha_c, beta_c, alpha_n, beta_n, alpha_r, beta_r,
+                        gamma=float(min(max(gamma, 1.0), GAMMA_MAX)))
     logger.debug("fitted %s to %d observations (cost %.3g)", result, obs.step.size, best_cost)
     return result
 

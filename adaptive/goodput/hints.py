@@ -130,7 +130,7 @@ class CurrentConfig:
     def __getitem__(self, key: str) -> int:
         if key not in _CURRENT_FIELDS:
             raise KeyError(key)
-        return getattr(self, key)
+        return int(getattr(self, key))
 
     def __iter__(self) -> Iterator[str]:
         return iter(_CURRENT_FIELDS)
@@ -288,12 +288,12 @@ class Hints:
         return GoodputFunction(self.perf_params, self.grad_params, self.init_batch_size)
 
 
-def _hints_path(path: str | os.PathLike) -> Path:
+def _hints_path(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     return path / HINTS_FILENAME if path.is_dir() else path
 
 
-def write_hints(hints: Hints, directory: str | os.PathLike) -> Path:
+def write_hints(hints: Hints, directory: str | os.PathLike[str]) -> Path:
     """Atomically write ``hints`` to ``directory/hints.json``; returns the path."""
     if not isinstance(hints, Hints):
         raise TypeError(f"hints must be a Hints, got {type(hints).__name__}")
@@ -304,7 +304,7 @@ def write_hints(hints: Hints, directory: str | os.PathLike) -> Path:
     return target
 
 
-def read_hints(path: str | os.PathLike) -> Hints:
+def read_hints(path: str | os.PathLike[str]) -> Hints:
     """Read hints from a ``hints.json`` file or the directory holding it."""
     with open(_hints_path(path), "rb") as handle:
         return Hints.from_json(handle.read())

@@ -163,7 +163,8 @@ def overlap(compute: np.ndarray, sync: np.ndarray, gamma: Any) -> np.ndarray:
     high = np.maximum(compute, sync)
     low = np.minimum(compute, sync)
     ratio = np.divide(low, high, out=np.zeros_like(high, dtype=float), where=high > 0)
-    return high * (1.0 + ratio ** gamma) ** (1.0 / gamma)
+    combined: np.ndarray = high * (1.0 + ratio ** gamma) ** (1.0 / gamma)
+    return combined
 
 
 def _step_time(p: PerfParams, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> np.ndarray:
@@ -172,7 +173,8 @@ def _step_time(p: PerfParams, num_nodes: Any, num_replicas: Any, local_bsz: Any,
     compute = _compute_time(p, local_bsz)
     sync = _sync_time(p, num_nodes, num_replicas)
     accum = np.asarray(accum_steps, dtype=float)
-    return (accum - 1.0) * compute + overlap(compute, sync, p.gamma)
+    step: np.ndarray = (accum - 1.0) * compute + overlap(compute, sync, p.gamma)
+    return step
 
 
 def _efficiency(g: GradParams, init_batch_size: int, batch_size: Any) -> np.ndarray:
@@ -264,7 +266,8 @@ class GoodputFunction:
         """Unvalidated goodput for one placement and arrays of (local_bsz, accum)."""
         step = _step_time(self._perf, nodes, replicas, local_bsz, accum)
         batch = replicas * np.asarray(local_bsz, dtype=float) * np.asarray(accum, dtype=float)
-        return batch / step * _efficiency(self._grad, self._init, batch)
+        goodput: np.ndarray = batch / step * _efficiency(self._grad, self._init, batch)
+        return goodput
 
     def optimize(self, num_nodes: Any, num_replicas: Any, max_batch_size: int | None = None,
                  local_bsz_bounds: Sequence[int | None] | None = None,

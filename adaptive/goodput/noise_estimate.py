@@ -142,7 +142,9 @@ class Measurement:
         """``(S_small, S_big)`` per group, loss scales divided out."""
         scale_sq = self.scale ** 2 if self.scale is not None else 1.0
         if self.estimator == DIRECT:
+            assert self.local is not None, "a direct measurement has its local norms"
             return self.local / self.count / scale_sq, self.big / scale_sq
+        assert self.prev is not None and self.cross is not None, "a differenced measurement has prev and cross"
         prev_sq = self.prev_scale ** 2 if self.prev_scale is not None else 1.0
         cur, prev = self.big / scale_sq, self.prev / prev_sq
         cross = self.cross / math.sqrt(scale_sq * prev_sq)

@@ -92,7 +92,7 @@ class MetricsWriter:
         self.write({"event": name, **fields})
 
 
-def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+def read_metrics(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(step records, events) of a metrics file or of a folder holding ``metrics.jsonl``.
 
     Lines that do not parse (a line cut by a crash) are skipped.
@@ -101,7 +101,8 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics file at {path}; point at a job's ADAPTIVE_SHARE_PATH")
-    steps, events = [], []
+    steps: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:

@@ -129,7 +129,7 @@ def is_fully_sharded(module: torch.nn.Module) -> bool:
 def module_mesh(module: torch.nn.Module) -> DeviceMesh:
     """The mesh an already sharded module's parameters live on."""
     for param in module.parameters():
-        mesh = getattr(param, "device_mesh", None)
+        mesh: DeviceMesh | None = getattr(param, "device_mesh", None)  # a sharded parameter is a DTensor
         if mesh is not None:
             return mesh
     raise ValueError("the fully sharded module has no sharded parameters")

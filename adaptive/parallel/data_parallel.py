@@ -43,11 +43,11 @@ class _AdaptiveDataParallelState(states.State):
         self.optimizer = optimizer
         self.parts = parts
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **self.parts.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if "model" not in state:
             raise CheckpointError(f"state {self.name!r} in the checkpoint was saved by AdaptiveFSDP (sharded), not "
                                   "AdaptiveDataParallel; resume it with the wrapper that saved it, or give this "

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
@@ -71,7 +72,7 @@ class _FullyShardedState(states.ShardedState):
         self._before_save = before_save
         self._saved_optimizer = False
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         self._before_save()
         # An optimizer that has not stepped has no state to save; get_state_dict would create it
         # (with a step of lr 0), which would change what an uninterrupted run does.
@@ -84,7 +85,7 @@ class _FullyShardedState(states.ShardedState):
         model, optimizer = get_state_dict(self.module, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "fully_sharded":
             raise CheckpointError(f"state {self.name!r} in the checkpoint was saved by AdaptiveDataParallel, not "
                                   "AdaptiveFSDP; resume it with the wrapper that saved it, or give the sharded "
@@ -92,7 +93,7 @@ class _FullyShardedState(states.ShardedState):
         self._saved_optimizer = bool(state["optimizer_started"])
         self.parts.load_state_dict(state)
 
-    def load_sharded_state_dict(self, read: Callable[[dict], dict]) -> None:
+    def load_sharded_state_dict(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Read the shards this replica needs now (DCP reshards to the current mesh) and apply them."""
         if not self._saved_optimizer:
             loaded = read({"model": get_model_state_dict(self.module)})
@@ -221,7 +222,8 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         # Reduce-scatter only on the last micro-step of an optimizer step (FSDP2's no_sync).
         sync = step is None or not step.is_accumulation_step
         if sync != self._gradient_sync:
-            self.module.set_requires_gradient_sync(sync)
+            # _shard returned the root fully_shard was called on: an FSDPModule (a Module to the type checker).
+            cast(FSDPModule, self.module).set_requires_gradient_sync(sync)
             self._gradient_sync = sync
         return self.module(*inputs, **kwargs)
 

@@ -203,13 +203,13 @@ def _allreduce_on_async_group(obj: Any, reduce_fn: Callable[[Any, Any], Any]) ->
     return functools.reduce(reduce_fn, out)
 
 
-def allreduce_async(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> concurrent.futures.Future:
+def allreduce_async(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> concurrent.futures.Future[T]:
     """Like :func:`allreduce_object`, but returns at once with a Future of the result.
 
     Operations complete in the order they were issued; every replica must issue
     the same sequence.
     """
-    future: concurrent.futures.Future = concurrent.futures.Future()
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
     group = _require_group()
     if _world_size(group) == 1:
         future.set_result(obj)

@@ -207,7 +207,8 @@ class Executor:
         if lost:
             logger.warning("lost node(s) %s; %d node(s) left", sorted(lost), len(alive))
         for job in self.jobs.values():
-            if job.state in (JobState.RUNNING, JobState.STOPPING) and lost & set(job.assignment.nodes):
+            if (job.state in (JobState.RUNNING, JobState.STOPPING) and job.assignment is not None
+                    and lost & set(job.assignment.nodes)):
                 logger.warning("%s ran on lost node(s) %s; killing the incarnation", job.spec.name,
                                sorted(lost & set(job.assignment.nodes)))
                 job.node_lost = True
@@ -305,7 +306,9 @@ class Executor:
             try:
                 hints = read_json(path)
                 self.state.update_hints(job.spec.name, hints)
-                job.progress = float(hints.get("progress")) if isinstance(hints, dict) else None
+                # no "progress" key: float(None) raises the TypeError caught below
+                job.progress = (float(hints.get("progress"))  # type: ignore[arg-type]
+                                if isinstance(hints, dict) else None)
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning("%s: ignoring hints in %s: %s", job.spec.name, path, exc)
 
@@ -319,7 +322,7 @@ class Executor:
 
     def _apply(self, now: float) -> None:
         for job in self.jobs.values():
-            if job.state is JobState.RUNNING and job.assignment.nodes != job.target:
+            if job.state is JobState.RUNNING and job.assignment is not None and job.assignment.nodes != job.target:
                 logger.info("%s: stopping to move from %d to %d replicas", job.spec.name,
                             job.assignment.num_replicas, len(job.target))
                 self.backend.stop(job.handle)

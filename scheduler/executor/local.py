@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class LocalHandle:
     """A running launcher process."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: str
 
     @property

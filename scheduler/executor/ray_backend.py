@@ -274,7 +274,8 @@ class RayBackend(Backend):
         handle.pending = [(0, handle.actors[0].address.remote())]
         if self.pool.resource == "GPU":
             handle.pending += [(i, actor.gpu_ids.remote()) for i, actor in enumerate(handle.actors)]
-        return self._next_phase(handle, Phase.CREATING)
+        self._next_phase(handle, Phase.CREATING)
+        return None
 
     def _creating(self, handle: RayHandle) -> int | None:
         answered = self._answered(handle)
@@ -295,7 +296,8 @@ class RayBackend(Backend):
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(handle.gpus[rank])
             cmd = self.command(spec, len(handle.nodes), nproc, rank, handle.endpoint, handle.attempt)
             handle.pending.append((rank, actor.start.remote(cmd, env, log)))
-        return self._next_phase(handle, Phase.STARTING)
+        self._next_phase(handle, Phase.STARTING)
+        return None
 
     def _starting(self, handle: RayHandle) -> int | None:
         answered = self._answered(handle)
@@ -305,7 +307,8 @@ class RayBackend(Backend):
         logger.info("launched %s attempt %d: %s (rendezvous %s, pids %s)", handle.name, handle.attempt,
                     ", ".join(f"node {n} x{k}" for n, k in zip(handle.nodes, handle.slots)), handle.endpoint,
                     list(handle.pids))
-        return self._next_phase(handle, Phase.RUNNING)
+        self._next_phase(handle, Phase.RUNNING)
+        return None
 
     def _running(self, handle: RayHandle) -> int | None:
         now = self.clock()

@@ -139,11 +139,13 @@ class PolluxPolicy(Policy):
             allowed = self._allowed(job, reps, speedup)
             table[i] = np.where(allowed, self._u(scaled), -np.inf)
             fastest[i] = speedup[allowed].max(initial=0.0)
-        return table * self._job_weights(names, jobs, fastest)[:, None]
+        weighted: np.ndarray = table * self._job_weights(names, jobs, fastest)[:, None]
+        return weighted
 
     def _allowed(self, job: JobInfo, reps: np.ndarray, speedup: np.ndarray) -> np.ndarray:
         """Replica counts ``job`` may have: none, or within its limits and cap."""
-        return (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= self._replica_cap(job)))
+        allowed: np.ndarray = (reps == 0) | ((reps >= max(job.min_replicas, 1)) & (reps <= self._replica_cap(job)))
+        return allowed
 
     def _job_weights(self, names: Sequence[str], jobs: Mapping[str, JobInfo],
                      fastest: np.ndarray) -> np.ndarray:
@@ -294,7 +296,7 @@ def _place(names: Sequence[str], counts: np.ndarray, current: Mapping[str, Alloc
     return placed, shortfall
 
 
-def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) -> Allocation | None:
+def _fit(count: int, free: Sequence[int], multi_nodes: set[int], gpus_per_node: int) -> Allocation | None:
     """Nodes for a job of ``count`` replicas, or ``None`` if it does not fit.
 
     A job that fits on one node is never split (its speedup was computed for
@@ -331,7 +333,7 @@ def _fit(count: int, free: Sequence[int], multi_nodes: set, gpus_per_node: int) 
     return None
 
 
-def _most_placeable(free: Sequence[int], multi_nodes: set, upper: int, gpus_per_node: int) -> int:
+def _most_placeable(free: Sequence[int], multi_nodes: set[int], upper: int, gpus_per_node: int) -> int:
     """Largest replica count up to ``upper`` that :func:`_fit` could place now."""
     single = min(max(free, default=0), gpus_per_node)
     spread = sum(f for n, f in enumerate(free) if n not in multi_nodes)

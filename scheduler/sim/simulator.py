@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -158,8 +158,9 @@ class Simulator:
             now += self.interval
             rounds += 1
         wall = time.perf_counter() - started
-        jct = {j.name: j.completion_time - j.submission_time for j in self.jobs}
-        makespan = max(j.completion_time for j in self.jobs) - min(j.submission_time for j in self.jobs)
+        ends = [cast(float, j.completion_time) for j in self.jobs]  # every job is done here
+        jct = {j.name: end - j.submission_time for j, end in zip(self.jobs, ends)}
+        makespan = max(ends) - min(j.submission_time for j in self.jobs)
         result = SimulationResult(policy=self.policy.name, jct=jct, makespan=makespan,
                                   num_rounds=rounds, wall_time=wall, decision_times=decision_times,
                                   restarts={j.name: j.num_restarts for j in self.jobs},

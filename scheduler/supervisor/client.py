@@ -58,7 +58,7 @@ class SupervisorClient:
         return json.loads(raw.decode("utf-8")) if raw else None
 
     def health(self) -> bool:
-        return self._request("GET", "/v1/health") == {"status": "ok"}
+        return bool(self._request("GET", "/v1/health") == {"status": "ok"})
 
     def register_job(self, job_id: str, min_replicas: int = 0, max_replicas: int = 1,
                      preemptible: bool = True, submission_time: float | None = None) -> dict[str, Any]:
@@ -66,20 +66,23 @@ class SupervisorClient:
                                 "preemptible": preemptible}
         if submission_time is not None:
             spec["submission_time"] = submission_time
-        return self._request("PUT", f"/v1/jobs/{job_id}", spec)
+        registered: dict[str, Any] = self._request("PUT", f"/v1/jobs/{job_id}", spec)
+        return registered
 
     def remove_job(self, job_id: str) -> None:
         self._request("DELETE", f"/v1/jobs/{job_id}")
 
     def jobs(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/jobs")["jobs"]
+        jobs: dict[str, Any] = self._request("GET", "/v1/jobs")["jobs"]
+        return jobs
 
     def post_hints(self, job_id: str, hints: Mapping[str, Any]) -> None:
         """Report hints (a dict in the ``adaptive.goodput.hints`` format)."""
         self._request("POST", f"/v1/jobs/{job_id}/hints", dict(hints))
 
     def get_hints(self, job_id: str) -> dict[str, Any] | None:
-        return self._request("GET", f"/v1/jobs/{job_id}/hints")["hints"]
+        hints: dict[str, Any] | None = self._request("GET", f"/v1/jobs/{job_id}/hints")["hints"]
+        return hints
 
     def get_allocation(self, job_id: str) -> tuple[Allocation, int]:
         """``(allocation, version)``: node index per replica, and the decision number."""

@@ -26,7 +26,7 @@ import re
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 from scheduler.supervisor.state import SupervisorState, validate_job_id
 
@@ -116,9 +116,11 @@ class _Handler(BaseHTTPRequestHandler):
         return (match.group("sub") or "/job").lstrip("/"), job_id
 
     def _dispatch(self, method: str) -> None:
-        handlers = {("GET", "jobs"): self._get_jobs, ("PUT", "job"): self._put_job,
-                    ("DELETE", "job"): self._delete_job, ("POST", "hints"): self._post_hints,
-                    ("GET", "hints"): self._get_hints, ("GET", "allocation"): self._get_allocation}
+        # each takes the route's job id (None for the collection)
+        handlers: dict[tuple[str, str], Callable[[Any], None]] = {
+            ("GET", "jobs"): self._get_jobs, ("PUT", "job"): self._put_job,
+            ("DELETE", "job"): self._delete_job, ("POST", "hints"): self._post_hints,
+            ("GET", "hints"): self._get_hints, ("GET", "allocation"): self._get_allocation}
         try:
             kind, job_id = self._route()
             if kind == "health" and method == "GET":

@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ _FORMAT = Format("supervisor state", version=1)
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def validate_job_id(job_id: Any) -> str:
+def validate_job_id(job_id: object) -> str:
     """Return ``job_id`` if it is a safe name (letters, digits, ``._-``, <= 128 chars)."""
     if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
         raise ValueError(f"job_id must match {_JOB_ID.pattern} (letters, digits, '._-', at most 128), "
@@ -105,7 +105,8 @@ class SupervisorState:
         clock: time source (seconds).
     """
 
-    def __init__(self, path: str | None = None, hints_parser: Any = None, clock: Any = time.time):
+    def __init__(self, path: str | None = None, hints_parser: Callable[[Mapping[str, Any]], Any] | None = None,
+                 clock: Callable[[], float] = time.time):
         self._hints_parser = hints_parser
         self._clock = clock
         self._path = path

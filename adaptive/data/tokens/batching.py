@@ -82,7 +82,7 @@ class TokenBatching(Batching):
         self.lengths = lengths
         # Built once to validate the arguments the same way the planner does.
         probe = TokenBudgetPlanner(lengths, max_tokens, window_size=window_size, seed=seed, on_oversize=on_oversize)
-        self.max_tokens = probe.max_tokens
+        self.max_tokens: int = probe.max_tokens  # never None here, unlike Batching's
         self.window_size, self.seed, self.on_oversize = probe.window_size, probe.seed, probe.on_oversize
         self.name = name
         self.skipped = 0  # over-long samples skipped by this process's plans

@@ -46,6 +46,8 @@ class SampleLengths:
     def __init__(
         self, lengths: Union["SampleLengths", Callable[[int], int], Sequence[int], np.ndarray]
     ) -> None:
+        self._table: np.ndarray | None
+        self._function: Callable[[int], int] | None
         if isinstance(lengths, SampleLengths):
             self._table, self._function = lengths._table, lengths._function
         elif callable(lengths) and not isinstance(lengths, np.ndarray):
@@ -100,11 +102,13 @@ class SampleLengths:
                         f"sample index {bad} is out of range for lengths of "
                         f"{self._table.size} samples"
                     )
-            return self._table[indices]
+            found: np.ndarray = self._table[indices]
+            return found
         return np.fromiter(
             (self._call(int(i)) for i in indices), dtype=np.int64, count=indices.size
         )
 
     def _call(self, index: int) -> int:
         """The function's answer for ``index``, checked to be a positive integer."""
+        # only called when the lengths are a function, so _function is set (mypy cannot see it)
         return check_int(f"the length lengths({index}) returned", self._function(index), 1)  # type: ignore[misc]

@@ -226,7 +226,7 @@ class MicroBatchCursor:
         """The next micro-batch of the stream; call :meth:`has_next` first."""
         batch = self.next_batch
         self.next_batch = batch + 1
-        return self.plan.micro_batch(batch)  # type: ignore[union-attr]
+        return self.plan.micro_batch(batch)  # type: ignore[union-attr]  # has_next() set the plan
 
     def pop_skips(self) -> list[WindowPlan]:
         """Packings with over-long samples reported since the last call."""

@@ -118,7 +118,7 @@ def make_source(stream: StreamLike) -> Source:
         # arrays, ranges and array-likes such as CPU tensors (whose take() means something else)
         return _ArraySource(as_index_array("stream", stream))
     if hasattr(stream, "take") and hasattr(stream, "__len__"):
-        return _TakeSource(stream)  # type: ignore[arg-type]
+        return _TakeSource(stream)  # type: ignore[arg-type]  # duck-typed: has take() and len()
     if isinstance(stream, (list, tuple)):
         if stream and isinstance(stream[0], np.ndarray):
             return _ChunkSource(stream)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from adaptive._utils.text import format_duration
 from adaptive.observe.report._runs import Run, finite_number
@@ -68,7 +68,11 @@ def _time_axis(run: Run) -> tuple[float, float, str]:
     return origin, 3600.0, "h"
 
 
-def _series(records: Sequence[dict], key: str, x_of: Any) -> tuple[list[float], list[float]]:
+#: The x value of a step record on one axis (its step, or its time), or None where it has none.
+_XOf = Callable[[dict[str, Any]], float | None]
+
+
+def _series(records: Sequence[dict[str, Any]], key: str, x_of: _XOf) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for record in records:
         x, y = x_of(record), finite_number(record.get(key))
@@ -78,7 +82,7 @@ def _series(records: Sequence[dict], key: str, x_of: Any) -> tuple[list[float], 
     return xs, ys
 
 
-def _draw_panel(ax: Any, run: Run, keys: Sequence[tuple[str, str, str]], x_of: Any, log_ok: bool) -> None:
+def _draw_panel(ax: Any, run: Run, keys: Sequence[tuple[str, str, str]], x_of: _XOf, log_ok: bool) -> None:
     colors = ("tab:blue", "tab:orange", "tab:purple")
     positive = True
     for index, (key, label, style) in enumerate(keys):
@@ -149,7 +153,7 @@ def _annotate_losses(ax: Any, summary: RunSummary, origin: float | None = None, 
     """Label each loss of progress: at its steps on the step axis, at its time on the time axis."""
     for number, loss in enumerate(summary.progress_losses):
         on_time_axis = origin is not None
-        x = (loss.time - origin) / unit if on_time_axis else loss.resumed_step
+        x = (loss.time - origin) / unit if origin is not None else loss.resumed_step
         # on the time axis the label sits left of the new process's start, over the gap before it
         ax.annotate(_loss_label(loss), xy=(x, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(-3 if on_time_axis else 3, -24 - 12 * number), textcoords="offset points",
@@ -243,10 +247,10 @@ def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi:
     figure = Figure(figsize=(14, 3 * rows + 1), dpi=dpi, layout="constrained")
     axes = figure.subplots(rows, 2, sharex="col", squeeze=False)
 
-    def by_step(record: dict) -> float | None:
+    def by_step(record: dict[str, Any]) -> float | None:
         return finite_number(record.get("step"))
 
-    def by_time(record: dict) -> float | None:
+    def by_time(record: dict[str, Any]) -> float | None:
         when = finite_number(record.get("time"))
         return None if when is None else (when - origin) / unit
 

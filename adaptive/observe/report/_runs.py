@@ -33,8 +33,8 @@ class ProcessSpan:
     pid: int | None
     start_time: float
     end_time: float
-    steps: tuple[dict, ...]
-    events: tuple[dict, ...]
+    steps: tuple[dict[str, Any], ...]
+    events: tuple[dict[str, Any], ...]
 
     @property
     def first_step(self) -> int | None:
@@ -47,7 +47,7 @@ class ProcessSpan:
         return self.steps[-1].get("step") if self.steps else None
 
     @property
-    def start_event(self) -> dict | None:
+    def start_event(self) -> dict[str, Any] | None:
         """Its ``start`` event (what it resumed), None when it wrote none."""
         return next((event for event in self.events if event.get("event") == "start"), None)
 
@@ -69,12 +69,12 @@ class Run:
     loader: str | None = None
 
     @property
-    def steps(self) -> list[dict]:
+    def steps(self) -> list[dict[str, Any]]:
         """All step records, in time order."""
         return [record for process in self.processes for record in process.steps]
 
     @property
-    def events(self) -> list[dict]:
+    def events(self) -> list[dict[str, Any]]:
         """All events, in time order."""
         return [record for process in self.processes for record in process.events]
 
@@ -108,7 +108,7 @@ def load_run(run_dir: str) -> Run:
     return Run(path=path, processes=tuple(_split_processes(steps, events)), loader=loader)
 
 
-def _training_loader_records(steps: list[dict]) -> tuple[list[dict], str | None]:
+def _training_loader_records(steps: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
     """Keep the records of one loader when records name several (the one with the most records)."""
     names = [record["loader"] for record in steps if record.get("loader") is not None]
     if len(set(names)) <= 1:
@@ -117,7 +117,7 @@ def _training_loader_records(steps: list[dict]) -> tuple[list[dict], str | None]
     return [record for record in steps if record.get("loader") in (None, chosen)], chosen
 
 
-def _split_processes(steps: Iterable[dict], events: Iterable[dict]) -> list[ProcessSpan]:
+def _split_processes(steps: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]]) -> list[ProcessSpan]:
     """Group records by writing process: a new pid, or a ``start`` event, starts a new one."""
     ordered = sorted([(record_time(r), False, r) for r in steps] + [(record_time(r), True, r) for r in events],
                      key=lambda item: item[0])
@@ -137,7 +137,7 @@ def _split_processes(steps: Iterable[dict], events: Iterable[dict]) -> list[Proc
     return spans
 
 
-def record_time(record: dict) -> float:
+def record_time(record: dict[str, Any]) -> float:
     """A record's unix time (0 when missing or malformed, so such a record sorts first)."""
     value = finite_number(record.get("time"))
     return 0.0 if value is None else value

@@ -143,7 +143,7 @@ class RunSummary:
 
 
 
-def replica_changes(records: Sequence[dict], loader: str | None = None) -> list[ReplicaChange]:
+def replica_changes(records: Sequence[dict[str, Any]], loader: str | None = None) -> list[ReplicaChange]:
     """Records (in time order) whose ``replicas`` differs from the previous record that has one.
 
     Step records always carry ``replicas``; events may (a ``start`` event
@@ -167,12 +167,12 @@ def replica_changes(records: Sequence[dict], loader: str | None = None) -> list[
 
 
 
-def _started_from_scratch(start: dict) -> bool:
+def _started_from_scratch(start: dict[str, Any]) -> bool:
     """A ``start`` event that says its process resumed no checkpoint (``"resumed": null``)."""
     return "resumed" in start and start["resumed"] is None
 
 
-def resumed_step(start: dict, loader: str | None = None) -> int | None:
+def resumed_step(start: dict[str, Any], loader: str | None = None) -> int | None:
     """The optimizer step of ``loader`` a process continued from, read from its ``start`` event.
 
     0 when it resumed no checkpoint.  Otherwise the step the checkpoint was
@@ -253,14 +253,14 @@ def progress_losses(run: Run) -> list[ProgressLoss]:
     return losses
 
 
-def _batch_size_of(record: dict) -> int | None:
+def _batch_size_of(record: dict[str, Any]) -> int | None:
     """Global batch size a record reports: a step record's, or a batch-size decision's new size."""
     if record.get("event") == "batch_size":
         return record.get("after")
     return record.get("batch_size")
 
 
-def _baseline_goodput(steps: Sequence[dict]) -> tuple[float | None, list[str]]:
+def _baseline_goodput(steps: Sequence[dict[str, Any]]) -> tuple[float | None, list[str]]:
     """Mean goodput of the first records at the initial batch size (the run's starting point)."""
     notes: list[str] = []
     initial = next((r.get("batch_size") for r in steps if r.get("batch_size") is not None), None)
@@ -273,7 +273,7 @@ def _baseline_goodput(steps: Sequence[dict]) -> tuple[float | None, list[str]]:
         notes.append(f"no goodput was measured at the initial batch size {initial}; the baseline is the first "
                      f"goodput measured (batch size {measured[0].get('batch_size')})")
     chosen = at_initial[:_BASELINE_RECORDS]
-    return sum(finite_number(r["goodput"]) for r in chosen) / len(chosen), notes
+    return sum(finite_number(r["goodput"]) or 0.0 for r in chosen) / len(chosen), notes  # never None: measured
 
 
 def summarize(run: Run) -> RunSummary:
@@ -324,7 +324,7 @@ def summarize(run: Run) -> RunSummary:
         progress_losses=tuple(progress_losses(run)))
 
 
-def _first_step_after(steps: Sequence[dict], when: float) -> int | None:
+def _first_step_after(steps: Sequence[dict[str, Any]], when: float) -> int | None:
     """The step of the first step record at or after ``when`` (None if none)."""
     return next((finite_int(r.get("step")) for r in steps
                  if record_time(r) >= when and finite_int(r.get("step")) is not None), None)
