@@ -144,3 +144,37 @@ def test_the_death_of_the_launching_process_ends_the_incarnation(tmp_path: Path,
     finally:
         kill_process_tree(parent.pid)
         parent.stdout.close()
+
+
+
+_OWNER = """
+import json, subprocess, sys, time
+import psutil
+from adaptive.runtime.process_tree import kill_process_tree
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+parent = subprocess.Popen([sys.executable, "-c",
+                           "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                           "'import time; time.sleep(60)']); time.sleep(60)"])
+deadline = time.monotonic() + 30
+while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+    time.sleep(0.05)
+grandchild = psutil.Process(parent.pid).children()[0]
+kill_process_tree(psutil.Process().pid, include_root=False, timeout=10.0)
+print(json.dumps({"child": child.wait(timeout=10), "parent": parent.wait(timeout=10),
+                  "grandchild_running": grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE}))
+"""
+
+
+def test_killing_a_tree_leaves_each_childs_exit_status_to_its_owner() -> None:
+    """``kill_process_tree`` waits for the processes to die without reaping them: the owner of a child still
+    reads that it was killed.  (Reaped by someone else, a child reads as exit status 0 in ``subprocess``, and
+    torchrun's agent took fenced workers that adaptive-run had killed for finished ones, so adaptive-run exited 0.)
+    """
+    result = subprocess.run([sys.executable, "-c", _OWNER], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "child": -signal.SIGKILL, "parent": -signal.SIGKILL, "grandchild_running": False}

@@ -200,7 +200,7 @@ def test_a_periodic_checkpoint_is_written_once_per_interval(job, monkeypatch):
 
     monkeypatch.setattr(states, "save_all_states", save)
     monkeypatch.setenv("ADAPTIVE_CHECKPOINT_INTERVAL", "1")
-    current_job().part(sync_points.Agreement).started = clock["now"]
+    current_job().started = clock["now"]
     for _ in range(400):  # 4 s of 10 ms steps
         clock["now"] += 0.01
         step_stream().steps_committed += 1  # a step was trained

@@ -108,7 +108,6 @@ class Agreement:
     previous_handlers: dict[int, SignalHandler] = dataclasses.field(default_factory=dict)
     pending: tuple[collectives.Waitable, int] | None = None  # the agreement in flight, saves done when issued
     decided: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (stop, checkpoint) to act on
-    started: float = dataclasses.field(default_factory=time.monotonic)
     spacing: int = 1  # step boundaries from one agreement to the next (agreed by all replicas)
     countdown: int = 0  # step boundaries left until the next agreement
     agreed_at: float | None = None  # when the last agreement started (monotonic)
@@ -159,7 +158,7 @@ def _checkpoint_due() -> bool:
     if step_records.stream().steps_committed == states.steps_at_last_save():
         return False  # nothing trained since the last save or the resume: the checkpoint would repeat it
     since = states.seconds_since_last_save()
-    elapsed = time.monotonic() - _agreement().started if since is None else since
+    elapsed = time.monotonic() - current_job().started if since is None else since  # since the process began
     return elapsed >= interval
 
 

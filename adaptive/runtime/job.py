@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Callable, TypeVar, cast
 
 if TYPE_CHECKING:  # type names only: importing the job context imports no torch
@@ -57,6 +58,8 @@ class Job:
     """One training process's view of its job; see the module docstring."""
 
     def __init__(self) -> None:
+        #: When this job context was created (monotonic): the process start, or the last reset.
+        self.started = time.monotonic()
         self.groups = ProcessGroups()
         #: The process is ending through an agreed stop or an error (no warning about a loop left early).
         self.exiting = False

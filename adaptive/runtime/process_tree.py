@@ -29,6 +29,7 @@ import ctypes
 import logging
 import os
 import signal
+import time
 
 import psutil
 
@@ -139,7 +140,12 @@ def kill_process_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 30.0
     """Send ``sig`` to ``pid`` (unless ``include_root`` is False) and all its descendants.
 
     The tree is read before any signal is sent, so children that the first
-    signals orphan are still reached. With SIGKILL, waits until they are gone.
+    signals orphan are still reached. With SIGKILL, waits until they are gone
+    (or dead and waiting to be reaped), without reaping any: the exit status
+    of a child belongs to whoever started it. (Reaping a child of this
+    process here would hide its status from its owner: Python's
+    ``subprocess`` reads a child that someone else reaped as exit status 0,
+    so torchrun's agent would take SIGKILLed workers for finished ones.)
     """
     try:
         root = psutil.Process(pid)
@@ -148,9 +154,26 @@ def kill_process_tree(pid: int, sig: int = signal.SIGKILL, timeout: float = 30.0
         return
     _send(processes, sig)
     if sig == signal.SIGKILL:
-        _, alive = psutil.wait_procs(processes, timeout=timeout)
-        for process in alive:
+        for process in _wait_until_dead(processes, timeout):
             logger.warning("process %d survived SIGKILL for %.0f s", process.pid, timeout)
+
+
+def _wait_until_dead(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every process is gone or a zombie (dead, not yet reaped); those still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    alive = processes
+    while True:
+        alive = [process for process in alive if _is_alive(process)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _is_alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _send(processes: list[psutil.Process], sig: int) -> None:
