@@ -33,7 +33,7 @@ What it does, on top of ``fully_shard``:
   over that initialisation at the first forward (docs/sharding.md).
 * **Gradient noise scale** (``model.gns``) measured from the unsharded
   local gradients FSDP2 already holds and the sharded reduced ones (see
-  :mod:`adaptive.batchsize._gns_sharded`), and the LR scaling rule
+  :mod:`adaptive.batchsize.gns._sharded`), and the LR scaling rule
   (``model.scaling_rule``), so the loader's adaptive batch sizes, token
   budgets and ramp-up work as with DDP.
 """

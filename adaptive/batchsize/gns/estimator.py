@@ -17,9 +17,9 @@ is weighted, is in :mod:`adaptive.goodput.noise_estimate`), and derives
 The small and big gradients of each measurement come from the replicas, the
 accumulation micro-steps or, with one replica and no accumulation, two
 consecutive steps; they are read by autograd hooks without touching DDP's
-reduction (see :mod:`adaptive.batchsize._gns_hooks` for how, and what it
+reduction (see :mod:`adaptive.batchsize.gns._probe` for how, and what it
 costs).  For Adam-type optimizers gradients are measured in the geometry
-the optimizer steps in (see :mod:`adaptive.batchsize._gns_precondition`).
+the optimizer steps in (see :mod:`adaptive.batchsize.gns._precondition`).
 
 Under FSDP2 sharding
 --------------------
@@ -31,7 +31,7 @@ gradient, summed over the ranks' local shards.  Big and small sums share
 one asynchronous all-reduce of a few floats per measured step; no unsharded
 gradient is kept or copied.  With Adam the sharded preconditioner weighs
 each rank's own rows only (an unbiased estimate with more variance).  See
-:mod:`adaptive.batchsize._gns_sharded`.
+:mod:`adaptive.batchsize.gns._sharded`.
 
 Integration
 -----------
@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from adaptive._utils.checks import check_float, check_int
-from adaptive.batchsize._gns_hooks import BackwardProbe
+from adaptive.batchsize.gns._probe import BackwardProbe
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GradParams
 from adaptive.goodput.noise_estimate import BatchConfig, NoiseAverages
@@ -184,7 +184,7 @@ class GradientNoiseScale:
                 optimizer, or the root module on which
                 ``torch.distributed.fsdp.fully_shard`` was called (FSDP on a
                 1-D mesh, HSDP on a 2-D one; see
-                :mod:`adaptive.batchsize._gns_sharded`), after
+                :mod:`adaptive.batchsize.gns._sharded`), after
                 ``fully_shard`` and before its first forward.
             process_group: the group the model reduces over (default: DDP's;
                 for FSDP the mesh's ranks: the 1-D mesh's group, or the
@@ -213,7 +213,7 @@ class GradientNoiseScale:
                                                  world_size=world_size, is_last_micro_step=is_last_micro_step,
                                                  **common)
         else:
-            from adaptive.batchsize._gns_sharded import ShardedProbe, fsdp_layout, is_fsdp_module
+            from adaptive.batchsize.gns._sharded import ShardedProbe, fsdp_layout, is_fsdp_module
             if not is_fsdp_module(model):
                 raise TypeError("model must be a DistributedDataParallel or a module on which fully_shard "
                                 f"was called, got {type(model).__name__}")

@@ -1,6 +1,6 @@
 """The device-side record of one measured optimizer step.
 
-The hooks (:mod:`adaptive.batchsize._gns_hooks`, :mod:`adaptive.batchsize._gns_sharded`)
+The hooks (:mod:`adaptive.batchsize.gns._probe`, :mod:`adaptive.batchsize.gns._sharded`)
 leave each measured step's per-group squared norms on the device, with the
 all-reduce that combines the replicas still in flight; the estimator reads
 them (one wait, one copy of a few floats to the host) when it folds the step

@@ -28,7 +28,7 @@ Where the small and big gradients come from
   ``2 * groups`` floats over the mesh's ranks per measured step, read when
   the estimator folds the step in.
 * **One rank, no accumulation**: the differenced estimator of
-  :mod:`adaptive.batchsize._gns_hooks` on the local (here: whole) gradient.
+  :mod:`adaptive.batchsize.gns._probe` on the local (here: whole) gradient.
 
 Adam preconditioning
 --------------------
@@ -85,7 +85,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from adaptive.batchsize._gns_hooks import BackwardProbe
+from adaptive.batchsize.gns._probe import BackwardProbe
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -216,7 +216,7 @@ class ShardedProbe(BackwardProbe):
         optimizer: the model's optimizer (over the sharded parameters).
         model: the root ``FSDPModule``.
         layout: its :func:`fsdp_layout`.
-        **kwargs: as :class:`~adaptive.batchsize._gns_hooks.BackwardProbe`.
+        **kwargs: as :class:`~adaptive.batchsize.gns._probe.BackwardProbe`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, layout: FSDPLayout,

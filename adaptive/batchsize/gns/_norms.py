@@ -8,7 +8,7 @@ persistent float32 copy of the previous step's gradient.
 
 Under FSDP2 the gradients read are the local shards (``grad_of`` returns a
 sharded gradient's local tensor) and the sums are this rank's part of the
-norm; :mod:`adaptive.batchsize._gns_sharded` combines them across ranks.
+norm; :mod:`adaptive.batchsize.gns._sharded` combines them across ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from adaptive.batchsize._gns_precondition import Preconditioner
+from adaptive.batchsize.gns._precondition import Preconditioner
 
 __all__ = ["GroupNorms"]
 

@@ -53,7 +53,7 @@ The end-of-backward work runs from torch's autograd-engine callback queue,
 after DDP's own finalisation.
 
 :class:`BackwardProbe` is written for DDP; its subclass
-:class:`adaptive.batchsize._gns_sharded.ShardedProbe` measures an FSDP2
+:class:`adaptive.batchsize.gns._sharded.ShardedProbe` measures an FSDP2
 model and overrides only where the gradients are read (which tensors carry
 the micro-step hooks, local shards instead of whole gradients, and one
 all-reduce of big and small sums together).
@@ -70,9 +70,9 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from adaptive.batchsize._gns_norms import GroupNorms
-from adaptive.batchsize._gns_precondition import Preconditioner
-from adaptive.batchsize._gns_record import StepRecord
+from adaptive.batchsize.gns._norms import GroupNorms
+from adaptive.batchsize.gns._precondition import Preconditioner
+from adaptive.batchsize.gns._record import StepRecord
 from adaptive.goodput.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
 
 __all__ = ["BackwardProbe", "StepRecord"]
