@@ -214,6 +214,7 @@ class TrainedModel:
 
     def _register_with_job(self) -> None:
         """The loader reads the models it trains from the job's registry; stops are caught from now on."""
+        self._configured_for: tuple[str, int] | None = None  # the loader step whose configuration the noise scale has
         models = trained_models()
         models.latest = self
         models.every.add(self)
@@ -227,7 +228,8 @@ class TrainedModel:
         ``no_grad``, where nothing is measured).
         """
         step = current_step()
-        if step is not None and torch.is_grad_enabled():
+        if step is not None and (step.loader, step.index) != self._configured_for and torch.is_grad_enabled():
+            self._configured_for = (step.loader, step.index)  # once per step: its micro-steps share the configuration
             self.gns.set_batch_config(init_batch_size=step.init_batch_size, local_bsz=step.local_batch_size,
                                       accum_steps=step.num_micro_steps, num_replicas=step.num_replicas,
                                       batch_size=step.planned_size)  # 128 on 3 replicas, not 3 x 42
