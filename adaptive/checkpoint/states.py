@@ -52,8 +52,8 @@ import time
 from typing import Any, Callable
 
 from adaptive._utils.checks import check_bool
-from adaptive.checkpoint import _saving
-from adaptive.runtime import collectives
+from adaptive.checkpoint import _saving, peer_state
+from adaptive.runtime import collectives, membership
 from adaptive.runtime import env
 from adaptive.observe import metrics
 from adaptive.checkpoint.generation import Generation, StaleGenerationError, newest_generation
@@ -72,6 +72,8 @@ __all__ = [
     "load_state",
     "resumed_checkpoint",
     "registered_states",
+    "share_with_joiners",
+    "renew_generation",
     "CheckpointError",
 ]
 
@@ -315,6 +317,12 @@ def resumed_checkpoint() -> Checkpoint | None:
     session = _session()
     if session.resumed_looked_up:
         return session.resumed
+    if membership.is_live():
+        collectives.init_process_group()  # joins the live job (a no-op once the script did)
+        collectives.complete_admission()  # a joiner built its objects: it asks the running members to admit it
+        if membership.membership().took_state_from_peers:  # admitted into a running generation
+            session.resumed, session.resumed_looked_up = peer_state.receive_states(), True
+            return session.resumed
     store = _checkpoint_store()
     resumed = session.resumed = store.latest()
     session.resumed_looked_up = True
@@ -466,6 +474,35 @@ def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict
     if generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
         info["generation"] = generation.number
     return info
+
+
+def share_with_joiners(metadata: dict[str, Any]) -> None:
+    """After a live regroup that admitted joiners: rank 0 sends every state, as a checkpoint would hold it.
+
+    Collective on the new generation; the joiners receive in
+    :func:`resumed_checkpoint`.  Every state's ``sync()`` ran on the old
+    generation, before the regroup.  ``metadata`` describes the position
+    (as a checkpoint's manifest does).
+    """
+    if env.rank() != 0:
+        peer_state.pass_states()
+        return
+    states = registered_states()
+    sent = peer_state.send_states({state.name: state.state_dict() for state in states}, resumed_seq(),
+                                  _manifest_info(states, metadata))
+    logger.debug("sent %d states (%.1f MB) to the joiners", len(states), sent / 1e6)
+
+
+def renew_generation() -> None:
+    """The membership changed: the new rank 0 takes a new generation of the checkpoint folder (G6).
+
+    Checkpoints of the old generation's rank 0 are fenced from then on.
+    """
+    session = _session()
+    session.store = session.store_root = None
+    session.generation = session.stale = None
+    if env.rank() == 0:
+        _checkpoint_store()
 
 
 def save_count() -> int:

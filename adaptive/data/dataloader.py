@@ -56,7 +56,7 @@ from adaptive.checkpoint import states
 from adaptive.elastic import epoch, random_state, sync_points
 from adaptive.observe import metrics
 from adaptive.parallel._training import trained_models
-from adaptive.runtime import env
+from adaptive.runtime import env, membership
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import StepContext, stream
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
@@ -508,8 +508,14 @@ class AdaptiveDataLoader:
                     sync_points.settle(self._checkpoint_metadata)
                 else:
                     sync_points.step_boundary(self._checkpoint_metadata)
+                    if plan is not None and plan.key[1] != membership.generation_number():
+                        # Live mode: the membership changed here. The joiners enter this loop now; the
+                        # boundary is the first of the new generation, for the members that stayed too.
+                        sync_points.settle(self._checkpoint_metadata)
+                        first = True
                 self._after_boundary(first=first)
-                plan_key = self._controller.current() if self._controller is not None else None
+                plan_key = (self._controller.current() if self._controller is not None else None,
+                            membership.generation_number())
                 if plan is None or plan.key != plan_key:
                     if plan is not None:  # a new batch size: new step times
                         sync_points.restart_spacing()

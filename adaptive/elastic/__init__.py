@@ -3,7 +3,9 @@
 The stop and checkpoint agreement at step boundaries (:mod:`.sync_points`),
 the restartable epoch loop (:mod:`.epoch`), replica-summed metrics that
 survive restarts (:mod:`.accumulator`), the checkpointed random generators
-(:mod:`.random_state`) and the ``adaptive-run`` launcher (:mod:`.launcher`).
+(:mod:`.random_state`), live membership changes (:mod:`.live`) and the
+``adaptive-run`` launcher (:mod:`.launcher`, with its live agent in
+:mod:`.live_agent`).
 It stands on the runtime (:mod:`adaptive.runtime`: environment, job context,
 collectives) and on the checkpoints (:mod:`adaptive.checkpoint`); ``env``,
 ``init_process_group`` and ``CollectiveError`` are handed on from the runtime.
@@ -26,6 +28,8 @@ _EXPORTS = {
     "STOP_FAILED_EXIT_CODE": "adaptive.elastic.sync_points",
     "STALE_GENERATION_EXIT_CODE": "adaptive.elastic.sync_points",
     "Accumulator": "adaptive.elastic.accumulator",
+    "request_leave": "adaptive.elastic.live",
+    "leave_requested": "adaptive.elastic.live",
 }
 
 __all__ = sorted(_EXPORTS)

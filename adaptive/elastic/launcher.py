@@ -87,6 +87,8 @@ def build_args(argv: list[str]) -> Namespace:
 
     parser = get_args_parser()
     parser.prog, parser.allow_abbrev = "adaptive-run", False
+    parser.add_argument("--live", action="store_true",
+                        help="change membership without restarting the workers (adaptive.elastic.live_agent)")
     args = parser.parse_args(argv)
     args.rdzv_conf = _merge_rdzv_conf(args.rdzv_conf or "")
     return args
@@ -103,6 +105,14 @@ def main(argv: list[str] | None = None) -> None:
 
     status_dir = tempfile.mkdtemp(prefix="adaptive-run-")
     os.environ[launch_status.STATUS_DIR_VAR] = status_dir  # the workers inherit the agent's environment
+    if args.live:
+        from adaptive.elastic import live_agent
+
+        try:
+            status = live_agent.run(args, status_dir)
+        finally:
+            shutil.rmtree(status_dir, ignore_errors=True)
+        _exit_now(status)
     _watch_for_stale_generation(status_dir)
     try:
         run(args)

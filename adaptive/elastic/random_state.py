@@ -101,6 +101,7 @@ class RandomState(states.State):
         self._gathered: list[dict[str, Any]] | None = None
         self._saved: list[dict[str, Any]] | None = None
         self._restore_at: str | None = None
+        self._joined_generation: int | None = None
 
     def sync(self) -> None:
         """Collective: gather every rank's generator states (rank 0 writes them)."""
@@ -115,6 +116,7 @@ class RandomState(states.State):
         resumed = states.resumed_checkpoint()  # (loading implies one: the state came from it)
         meta = (resumed.info.metadata or {}) if resumed is not None else {}
         self._restore_at = "epoch" if meta.get("epoch_finished") or meta.get("training_ended") else "loop"
+        self._joined_generation = meta.get("live_generation")  # sent by peers to a joiner of a live job
 
     def restore(self, where: str) -> None:
         """Apply the saved states if training resumes at ``where`` (``"epoch"`` or ``"loop"``); once."""
@@ -122,7 +124,11 @@ class RandomState(states.State):
             return
         saved, self._saved = self._saved, None
         rank, count = env.rank(), len(saved)
-        if rank < count:
+        if self._joined_generation is not None:
+            # A live joiner: the saved ranks' generators still run in the members that stayed (maybe under
+            # other ranks), so it draws its own numbers, seeded from saved rank 0's, the generation and its rank.
+            _apply(saved[0], reseed=(int(self._joined_generation) << 20) + rank)
+        elif rank < count:
             _apply(saved[rank])
         else:
             _apply(saved[0], reseed=rank)

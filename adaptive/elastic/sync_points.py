@@ -56,7 +56,8 @@ from typing import Any, Callable
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.generation import StaleGenerationError
-from adaptive.runtime import collectives, env, launch_status, peer_failure
+from adaptive.elastic import live
+from adaptive.runtime import collectives, env, launch_status, membership, peer_failure
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import Job, current_job, on_reset
 
@@ -90,9 +91,10 @@ AGREEMENT_INTERVAL = 0.1
 MAX_SPACING = 1000
 
 # Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, the resumed
-# checkpoint's sequence number and its negation (max and -min: all must be equal), and rank 0's
-# generation and the newer one that fenced it (0 on the other ranks, and when not fenced).
-_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER = range(7)
+# checkpoint's sequence number and its negation (max and -min: all must be equal), rank 0's
+# generation and the newer one that fenced it (0 on the other ranks, and when not fenced), and in
+# live mode the join requests rank 0 saw and whether a member leaves.
+_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER, _JOINS, _LEAVE = range(9)
 
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
@@ -108,6 +110,7 @@ class Agreement:
     previous_handlers: dict[int, SignalHandler] = dataclasses.field(default_factory=dict)
     pending: tuple[collectives.Waitable, int] | None = None  # the agreement in flight, saves done when issued
     decided: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (stop, checkpoint) to act on
+    membership: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (joins, leave) agreed
     spacing: int = 1  # step boundaries from one agreement to the next (agreed by all replicas)
     countdown: int = 0  # step boundaries left until the next agreement
     agreed_at: float | None = None  # when the last agreement started (monotonic)
@@ -121,8 +124,15 @@ def _agreement() -> Agreement:
 
 def _on_signal(signum: int, frame: Any) -> None:
     agreement = _agreement()
-    if agreement.stop_requested and signum == signal.SIGINT:
+    if (agreement.stop_requested or live.leave_requested()) and signum == signal.SIGINT:
         raise KeyboardInterrupt
+    if membership.is_live():  # one member stopped: it leaves, the others go on
+        if live.leave_requested():
+            return
+        live.request_leave()
+        logger.warning("received %s: leaving the live job at the next agreed step; the other members continue",
+                       signal.Signals(signum).name)
+        return
     agreement.stop_requested = True
     agreement.stop_signal = signum
     logger.warning("received %s: asking every replica to stop at the same step, checkpoint and exit",
@@ -178,7 +188,7 @@ def _local_flags() -> list[float]:
     seq = float(states.resumed_seq())
     generation, newer = _generation_flags()
     return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq,
-            generation, newer]
+            generation, newer, float(live.joins_seen()), float(live.leave_requested())]
 
 
 def _generation_flags() -> tuple[float, float]:
@@ -211,10 +221,11 @@ def _settle(pending: tuple[collectives.Waitable, int]) -> list[float]:
         )
     if agreed[_NEWER] > 0:
         _exit_stale(int(agreed[_GENERATION]), int(agreed[_NEWER]))
-    decided = _agreement().decided
+    decided, change = _agreement().decided, _agreement().membership
     decided[0] = max(decided[0], agreed[_STOP])
     if saves_then == states.save_count():  # a flag raised before the last save is already served
         decided[1] = max(decided[1], agreed[_CHECKPOINT])
+    change[0], change[1] = max(change[0], agreed[_JOINS]), max(change[1], agreed[_LEAVE])
     return agreed
 
 
@@ -309,6 +320,30 @@ def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
         agreement.spacing = max(1, int(-agreed[_SPACING]))
     _act(metadata)
     agreement.countdown = agreement.spacing
+    if any(agreement.membership):
+        _change_membership(metadata)
+
+
+def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
+    """Act on an agreed live membership change (see :mod:`adaptive.elastic.live`); every member calls it.
+
+    The agreement issued at this boundary is settled first: every member of
+    the old generation issued it, and its group is about to go.
+    """
+    agreement = _agreement()
+    pending, agreement.pending = agreement.pending, None
+    if pending is not None:
+        _settle(pending)
+    joins = int(agreement.membership[0])
+    agreement.membership[:] = [0.0, 0.0]
+    outcome = live.change(joins, dict(metadata()))
+    restart_spacing()
+    if outcome is live.Outcome.STOP:
+        _stop(dict(metadata(), reason="stop"))
+    if outcome is live.Outcome.LEAVE:
+        launch_status.confirm_stop(ok=True, seq=None, left=True)
+        current_job().exiting = True
+        raise SystemExit(GRACEFUL_EXIT_CODE)
 
 
 def settle(metadata: Callable[[], dict[str, Any]] | None = None) -> None:

@@ -42,7 +42,7 @@ from adaptive.batchsize.gns import GradientNoiseScale
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
 from adaptive.elastic import sync_points
-from adaptive.runtime import env
+from adaptive.runtime import env, membership
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import StepContext, current_step, stream
 from adaptive.observe.metrics import tensorboard_prefix
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TrainedModel", "TrainedModels", "TrainingParts", "check_optimizer", "check_lr_scheduler", "check_scaler",
            "check_name", "check_gns_interval", "is_accumulation_step", "is_continuing_accumulation",
-           "trained_models", "wire_optimizer"]
+           "trained_models", "wire_optimizer", "follow_regroups"]
 
 
 def check_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
@@ -177,6 +177,21 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
     _skip_during_accumulation(optimizer, "step", is_accumulation_step, ran=_count_optimizer_step)
     _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
     return step_lr
+
+
+def follow_regroups(model: Any) -> None:
+    """Call ``model._follow_regroup()`` whenever a live membership change rebuilt the process group.
+
+    Held weakly: a wrapper the script dropped is not kept alive for it.
+    """
+    ref = weakref.WeakMethod(model._follow_regroup)
+
+    def listener() -> None:
+        method = ref()
+        if method is not None:
+            method()
+
+    membership.on_regroup(listener)
 
 
 # ---------------------------------------------------------------- the wrappers' shared face

@@ -98,7 +98,7 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
             if env.num_replicas() > 1:
                 raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveDataParallel")
             collectives.init_process_group("nccl" if next(module.parameters()).is_cuda else "gloo")
-        super().__init__(module, **kwargs)
+        super().__init__(module, **kwargs)  # a live joiner builds it on its group of one; it rebinds when admitted
         self._replicas = torch.distributed.get_world_size(self.process_group)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -109,10 +109,34 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer, parts)
         self._register_with_job()
+        _training.follow_regroups(self)
         if states.load_state(self._state) and env.rank() == 0:
             logger.info("restored model, optimizer%s%s from the checkpoint",
                         ", LR scheduler" if lr_scheduler is not None else "",
                         ", grad scaler" if scaler is not None else "")
+
+    def _follow_regroup(self) -> None:
+        """Live mode: the job's process group was rebuilt; reduce over the new one from the next step.
+
+        The reducer is bound to its group, so it is built again the way DDP
+        builds it when unpickled (over the new default group); communication
+        hooks registered earlier are registered again on the new reducer.
+        """
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        self.process_group = _get_default_group()
+        self._replicas = torch.distributed.get_world_size(self.process_group)
+        parameters, expect_sparse_gradient = self._build_params_for_reducer()
+        self._ddp_init_helper(parameters, expect_sparse_gradient,
+                              self._build_debug_param_to_name_mapping(parameters), self.static_graph)
+        if self.static_graph:
+            self.reducer._set_static_graph()
+        for hook, state in self._comm_hooks:
+            torch.distributed._register_comm_hook(self.reducer, state, hook)
+        # As in a joiner's new wrapper, the first forward syncs the buffers (after steps with one replica,
+        # which synchronise nothing, DDP would skip it here: the members would disagree on collectives).
+        self.require_forward_param_sync = True
+        self.gns.follow_group(self.process_group, self._replicas)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.

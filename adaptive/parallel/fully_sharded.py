@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.runtime import collectives, env
+from adaptive.runtime import collectives, env, membership
 from adaptive.parallel import _sharding, _training
 
 __all__ = ["AdaptiveFSDP"]
@@ -168,6 +168,10 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
                             f"{type(mesh).__name__}")
         if mesh is not None and mesh.ndim not in (1, 2):
             raise ValueError(f"mesh must have 1 dimension (FSDP) or 2 (replicate, shard: HSDP), got {mesh.ndim}")
+        if membership.is_live():
+            raise RuntimeError("AdaptiveFSDP does not support live membership changes yet (adaptive-run --live); "
+                               "run the job without --live: membership changes then restart it from the "
+                               "checkpoint, resharded for the new world size")
         _ensure_process_group(module)
         super().__init__()
         self.module = _shard(module, optimizer, mesh, shard, fsdp_options)

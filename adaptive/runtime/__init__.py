@@ -5,7 +5,8 @@ checkpoints, epochs or batch sizes: the environment torchrun gives
 (:mod:`.env`), the job context that holds a process's job state
 (:mod:`.job`), the process groups and collectives (:mod:`.collectives`),
 the step the running loader publishes to the models and optimizers
-(:mod:`.step`), how a peer's death is reported (:mod:`.peer_failure`),
+(:mod:`.step`), the live job's generations of members (:mod:`.membership`,
+``adaptive-run --live``), how a peer's death is reported (:mod:`.peer_failure`),
 what workers report to ``adaptive-run`` (:mod:`.launch_status`) and the
 processes that end with their incarnation (:mod:`.process_tree`).
 

@@ -22,12 +22,13 @@ import datetime
 import functools
 import logging
 import operator
+import os
 from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from adaptive.runtime import env, launch_status, peer_failure
+from adaptive.runtime import env, launch_status, membership, peer_failure
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import ProcessGroups, current_job
 
@@ -42,6 +43,8 @@ __all__ = [
     "allgather_object",
     "allreduce_max_async",
     "barrier",
+    "regroup",
+    "complete_admission",
     "Waitable",
 ]
 
@@ -83,25 +86,85 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     delta = datetime.timedelta(seconds=seconds)
     groups = _groups()
     if not dist.is_initialized():
-        world_size, rank = env.num_replicas(), env.rank()
+        groups.timeout = seconds
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank())
-        if world_size == 1 and env.master_port() is None:
-            store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=delta)
+        if membership.is_live():  # adaptive-run --live: the members are whoever the live job admits
+            generation = membership.join(seconds, admit_now=False)
+            if generation is None:  # a job is running: build on a group of one until admitted (complete_admission)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
+            else:
+                _init_generation(backend, generation, delta)
+        elif env.num_replicas() == 1 and env.master_port() is None:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=delta)
-        logger.debug("process group ready: backend=%s rank=%d world=%d", backend, rank, world_size)
+            dist.init_process_group(backend, init_method="env://", rank=env.rank(), world_size=env.num_replicas(),
+                                    timeout=delta)
+        logger.debug("process group ready: backend=%s rank=%d world=%d", backend, env.rank(), env.num_replicas())
         groups.owns_default_group = True
     launch_status.clear_earlier_reports()
     peer_failure.install()  # a peer's death ends the script with one line, not a backend traceback
     if groups.control is None:
-        if dist.get_backend() == "gloo":
-            groups.control = dist.group.WORLD
-        else:
-            groups.control = dist.new_group(backend="gloo", timeout=delta)
-        groups.asynchronous = dist.new_group(backend="gloo", timeout=delta)
+        _make_side_groups(delta)
         _register_teardown()
+
+
+def _init_generation(backend: str, generation: membership.Generation, delta: datetime.timedelta) -> None:
+    """The default group of a live generation, on its own prefix of the launchers' store."""
+    wid = membership.membership().wid
+    assert wid is not None
+    os.environ.update(membership.members_env(generation, wid))  # env.rank() & co. follow the membership
+    dist.init_process_group(backend, store=membership.generation_store(generation.number), rank=env.rank(),
+                            world_size=env.num_replicas(), timeout=delta)
+
+
+def _make_side_groups(delta: datetime.timedelta) -> None:
+    """The control group (the default one with gloo) and the asynchronous group."""
+    groups = _groups()
+    if dist.get_backend() == "gloo":
+        groups.control = dist.group.WORLD
+    else:
+        groups.control = dist.new_group(backend="gloo", timeout=delta)
+    groups.asynchronous = dist.new_group(backend="gloo", timeout=delta)
+
+
+def complete_admission() -> None:
+    """Live mode: a process that found the job running joins it now, in place of its group of one.
+
+    Called when the process first needs the job's state (its first
+    checkpointed object is restored): its model, optimizer and loaders
+    were built by then, so the running members wait only for the state to
+    arrive.  Does nothing for a member.
+    """
+    record = membership.membership()
+    if not record.awaiting_admission:
+        return
+    following = membership.join(_groups().timeout or env.collective_timeout())
+    assert following is not None
+    regroup(following)
+
+
+def regroup(following: membership.Generation) -> None:
+    """Leave this generation's groups and build ``following``'s, in place (live mode, on every survivor).
+
+    Every member of the old generation must have finished its collectives on
+    the old groups (the caller agreed on the change at a step boundary).  The
+    listeners of :func:`adaptive.runtime.membership.on_regroup` are told once
+    the new groups exist.
+    """
+    groups = _groups()
+    if groups.executor is not None:  # operations of the old asynchronous group: all issued, let them finish
+        groups.executor.shutdown(wait=True)
+        groups.executor = None
+    backend = dist.get_backend()
+    delta = datetime.timedelta(seconds=groups.timeout or env.collective_timeout())
+    dist.destroy_process_group()
+    groups.control = groups.asynchronous = None
+    groups.retained.clear()
+    membership.enter(following)
+    _init_generation(backend, following, delta)
+    _make_side_groups(delta)
+    membership.notify_regroup()
 
 
 def _register_teardown() -> None:
@@ -124,6 +187,8 @@ def _destroy_at_exit() -> None:
     """
     if not is_initialized():
         return
+    if env.rank() == 0:
+        membership.mark_ended()  # live mode: the generation is over; a late joiner forms the next one
     groups = _groups()
     own = [g for g in (groups.asynchronous, groups.control) if g is not None and g is not dist.group.WORLD]
     try:

@@ -26,7 +26,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from adaptive.runtime import env
+from adaptive.runtime import env, membership
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import current_job
 
@@ -66,6 +66,7 @@ def _is_distributed_error(error: BaseException) -> bool:
 def report(error: BaseException) -> None:
     """Log the one line (ERROR) and keep the traceback (DEBUG) for a peer failure that ends this process."""
     current_job().exiting = True  # not a deliberate break out of the epoch loop
+    membership.mark_failed()  # live mode: whoever waits to join this generation forms the next one
     logger.error("rank %d: a peer replica failed (%s); exiting without writing a checkpoint so that the "
                  "last complete one (in %s) stays the newest", env.rank(), _cause(error), env.checkpoint_path())
     logger.debug("the failed collective", exc_info=(type(error), error, error.__traceback__))

@@ -1,6 +1,6 @@
 """Command line: run jobs on this machine, submit them, see their status.
 
-    python -m scheduler.executor run    --workdir DIR --slots 4 [--policy goodput] [--interval 60]
+    python -m scheduler.executor run    --workdir DIR --slots 4 [--policy goodput] [--interval 60] [--live]
     python -m scheduler.executor run    --workdir DIR --backend ray --ray-address HOST:PORT
                                         [--ray-resource GPU] [--slots-per-node N]
     python -m scheduler.executor submit --workdir DIR job.yaml [...]
@@ -25,6 +25,7 @@ from scheduler.cluster import ClusterSpec
 from scheduler.executor.backend import Backend
 from scheduler.executor.executor import Executor, JobState
 from scheduler.executor.local import LocalBackend
+from scheduler.executor.local_live import LiveLocalBackend
 from scheduler.executor.spool import Spool
 from scheduler.policies import POLICIES, make_policy
 from scheduler.supervisor.state import SupervisorState
@@ -37,8 +38,11 @@ def _backend(args: argparse.Namespace, spool: Spool) -> tuple[Backend, ClusterSp
     if args.backend == "local":
         if args.slots is None:
             raise ValueError("--slots is required with --backend local")
-        return (LocalBackend(spool.log_dir, cuda=args.cuda), ClusterSpec(1, args.slots),
-                lambda: {"slots": args.slots})
+        local = LiveLocalBackend if args.live else LocalBackend
+        return (local(spool.log_dir, cuda=args.cuda), ClusterSpec(1, args.slots),
+                lambda: {"slots": args.slots, "live": bool(args.live)})
+    if args.live:
+        raise ValueError("--live is supported by the local backend only (the Ray backend restarts jobs to resize)")
     from scheduler.executor.ray_import import import_ray
 
     ray = import_ray()
@@ -134,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--grace-period", type=float, default=120.0, help="seconds to stop before a kill")
     run.add_argument("--poll", type=float, default=0.5, help="seconds between executor steps")
     run.add_argument("--cuda", action="store_true", help="map slots to CUDA_VISIBLE_DEVICES")
+    run.add_argument("--live", action="store_true",
+                     help="resize running jobs in place, without restarting them (local backend; docs/live.md)")
     run.add_argument("--exit-when-done", action="store_true", help="exit once every job has ended")
     submit = sub.add_parser("submit", help="submit YAML job specs to a workdir")
     submit.add_argument("--workdir", required=True)

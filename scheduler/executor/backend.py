@@ -65,6 +65,16 @@ class Backend(abc.ABC):
     def kill(self, handle: Any) -> None:
         """Force the incarnation to end (after a graceful stop timed out)."""
 
+    def resize(self, handle: Any, assignment: Assignment) -> bool:
+        """Move the running incarnation to ``assignment`` without stopping it, if this backend can.
+
+        Returns False (the default) when it cannot: the executor then stops
+        the incarnation and launches it again on the new assignment.  A
+        backend in live mode (:class:`~scheduler.executor.local_live.LiveLocalBackend`)
+        starts joiners and removes leavers while the job trains.
+        """
+        return False
+
     def log_tail(self, handle: Any, lines: int = 20) -> str:
         """The last ``lines`` lines of the incarnation's output ("" if none is kept); read after it ended,
         to report why it failed."""

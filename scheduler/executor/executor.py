@@ -323,6 +323,8 @@ class Executor:
     def _apply(self, now: float) -> None:
         for job in self.jobs.values():
             if job.state is JobState.RUNNING and job.assignment is not None and job.assignment.nodes != job.target:
+                if self._resize_live(job):
+                    continue
                 logger.info("%s: stopping to move from %d to %d replicas", job.spec.name,
                             job.assignment.num_replicas, len(job.target))
                 self.backend.stop(job.handle)
@@ -338,6 +340,45 @@ class Executor:
             job.launches += 1
             job.handle = self.backend.launch(job.spec, assignment, job.launches)
             job.state = JobState.RUNNING
+
+    def _resize_live(self, job: ManagedJob) -> bool:
+        """Resize a running job in place when the backend can (live mode); whether it did.
+
+        The replicas that stay keep their devices; new ones take free
+        devices (when none are free yet, the job waits for them, running).
+        """
+        current = job.assignment
+        if not job.target or current is None:
+            return False
+        kept = Executor._kept_devices(current, job.target)
+        free = self._free_devices()
+        extra = [node for node in job.target]
+        for node, _ in kept:
+            extra.remove(node)
+        grown = Executor._assign(tuple(extra), free) if extra else None
+        if extra and grown is None:
+            return True  # devices still held by jobs that are shrinking or stopping: try again next step
+        pairs = kept + ([] if grown is None else list(zip(grown.nodes, grown.devices)))
+        assignment = Assignment(tuple(n for n, _ in pairs), tuple(d for _, d in pairs))
+        if not self.backend.resize(job.handle, assignment):
+            return False
+        logger.info("%s: resized live from %d to %d replicas", job.spec.name, current.num_replicas,
+                    assignment.num_replicas)
+        job.assignment = assignment
+        return True
+
+    @staticmethod
+    def _kept_devices(current: Assignment, target: Allocation) -> list[tuple[int, int]]:
+        """The (node, device) pairs of ``current`` that ``target`` keeps, in ``current``'s order."""
+        need: dict[int, int] = {}
+        for node in target:
+            need[node] = need.get(node, 0) + 1
+        kept = []
+        for node, device in zip(current.nodes, current.devices):
+            if need.get(node, 0) > 0:
+                need[node] -= 1
+                kept.append((node, device))
+        return kept
 
     def _free_devices(self) -> dict[int, list[int]]:
         used = {(n, d) for j in self.jobs.values() if j.assignment is not None

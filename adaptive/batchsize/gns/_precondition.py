@@ -51,6 +51,10 @@ class Preconditioner:
         self.state = "waiting"
         self._refreshed_at = -1
 
+    def restart(self) -> None:
+        """Refresh at the next step, as a new preconditioner would (its step count starts again)."""
+        self.state, self._refreshed_at = "waiting", -1
+
     def maybe_refresh(self, step: int) -> None:
         if self.state == "off" or (self.state == "ready" and step - self._refreshed_at < self._interval):
             return

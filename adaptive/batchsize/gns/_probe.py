@@ -198,6 +198,20 @@ class BackwardProbe:
         return big, local, work
 
     # ------------------------------------------------------------ control
+    def follow_group(self, process_group: Any, world_size: int) -> None:
+        """Reduce over ``process_group`` (``world_size`` replicas) from the next step on.
+
+        Which steps are measured (and when the preconditioner is refreshed)
+        counts from here again, as in a joiner's new probe: every member of
+        the new group must measure the same steps, since a measured step
+        all-reduces.
+        """
+        self._process_group, self.world_size = process_group, world_size
+        self._steps = 0
+        if self._preconditioner is not None:
+            self._preconditioner.restart()
+        self.set_config(None)
+
     def set_config(self, config: BatchConfig | None) -> None:
         """The batch configuration of the coming steps (a step in progress is not measured)."""
         self._config = config

@@ -225,6 +225,14 @@ class GradientNoiseScale:
         probe.set_config(self._config)
         self._probe = probe
 
+    def follow_group(self, process_group: Any, world_size: int) -> None:
+        """The model now reduces over ``process_group`` of ``world_size`` replicas (a live membership change).
+
+        A step in progress is not measured; the next configured step is.
+        """
+        if isinstance(self._probe, BackwardProbe):
+            self._probe.follow_group(process_group, world_size)
+
     def _check_replicas(self, world_size: int) -> None:
         if self._config is not None and self._config.num_replicas != world_size:
             raise ValueError(f"batch config has num_replicas={self._config.num_replicas} but the process "

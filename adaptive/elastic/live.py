@@ -1,0 +1,119 @@
+"""Live membership changes at a step boundary (``adaptive-run --live``), without restarting anyone.
+
+The members of a generation (:mod:`adaptive.runtime.membership`) learn
+about a change through the per-step agreement
+(:mod:`adaptive.elastic.sync_points`): rank 0 adds how many processes asked
+to join, each member whether it was asked to leave (SIGTERM in live mode).
+At the boundary where the change was agreed every member calls
+:func:`change`, which:
+
+1. waits for a background checkpoint still in flight (it belongs to the old
+   generation) and gathers who leaves;
+2. runs every state's ``sync()`` on the old group, so that the leavers'
+   private contributions (accumulators, random generators) are folded in;
+3. has rank 0 publish the next generation (the members that stay, in their
+   old order, then the joiners) and tells the others;
+4. lets the leavers go (they exit 143 with nothing lost) and rebuilds the
+   process groups of the others in place
+   (:func:`adaptive.runtime.collectives.regroup`); the new rank 0 takes a
+   new generation of the checkpoint folder (guarantee G6);
+5. hands the joiners the whole training state over the new group
+   (:func:`adaptive.checkpoint.states.share_with_joiners`).
+
+The loader then re-plans the rest of the epoch from the committed position
+for the new replica count, and the batch-size controller chooses anew, as
+after a restart with another replica count.  When every member leaves at
+once, the change is a stop: the job checkpoints and exits, as without
+live mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from typing import Any
+
+from adaptive.checkpoint import states
+from adaptive.runtime import collectives, env, membership
+from adaptive.runtime.job import current_job
+
+__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "change"]
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """What a member does after :func:`change`."""
+
+    CONTINUE = "continue"  # a member of the next generation
+    LEAVE = "leave"  # this member left; the others continue
+    STOP = "stop"  # every member leaves: the job stops, with its checkpoint
+
+
+@dataclasses.dataclass
+class _Leaving:
+    """Whether this member was asked to leave (its record on the job context)."""
+
+    requested: bool = False
+
+
+def request_leave() -> None:
+    """Leave the live job at the next agreed boundary (what SIGTERM does in live mode)."""
+    current_job().part(_Leaving).requested = True
+
+
+def leave_requested() -> bool:
+    """Whether this member was asked to leave and has not left yet."""
+    return current_job().part(_Leaving).requested
+
+
+def joins_seen() -> int:
+    """On rank 0 of a live job: how many processes asked to join (0 elsewhere; one store read)."""
+    if not membership.is_live() or env.rank() != 0:
+        return 0
+    return membership.pending_joins()
+
+
+def change(joins: int, metadata: dict[str, Any]) -> Outcome:
+    """Move every member of this generation to the next one; collective on the old group.
+
+    Args:
+        joins: the number of join requests agreed (rank 0's count when the
+            agreement was issued); that many joiners are admitted.
+        metadata: the position, as the checkpoint's manifest describes it.
+    """
+    started = time.perf_counter()
+    states.wait_for_pending_save()
+    wid = membership.membership().wid
+    assert wid is not None, "a member of a live generation has a worker id"
+    leaving = collectives.allgather_object((wid, leave_requested()))
+    survivors = [wid for wid, leaves in leaving if not leaves]
+    if not survivors:
+        return Outcome.STOP
+    for state in states.registered_states():
+        state.sync()
+    following = membership.close_generation(survivors, joins) if env.rank() == 0 else None
+    following = collectives.broadcast_object(following)
+    assert following is not None
+    before = env.num_replicas()
+    if leave_requested():
+        logger.info("left the live job at %s; generation %d continues with %d members", _where(metadata),
+                    following.number, len(following.members))
+        return Outcome.LEAVE
+    collectives.regroup(following)
+    states.renew_generation()
+    regrouped = time.perf_counter()
+    if following.joiners:
+        states.share_with_joiners(dict(metadata, live_generation=following.number))
+    logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
+               "live membership change at %s: %d -> %d replicas (%d joined, %d left), generation %d; "
+               "regrouped in %.3f s, state handed over in %.3f s", _where(metadata), before, env.num_replicas(),
+               len(following.joiners), before - len(survivors), following.number, regrouped - started,
+               time.perf_counter() - regrouped)
+    return Outcome.CONTINUE
+
+
+def _where(metadata: dict[str, Any]) -> str:
+    return f"epoch {metadata.get('epoch')}, step {metadata.get('step')}"

@@ -1,0 +1,248 @@
+"""The agent of ``adaptive-run --live``: this node's workers, kept running across membership changes.
+
+torchrun's agent restarts every worker of every node whenever the
+membership changes; in live mode this agent takes its place (same
+arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
+``--standalone``, ``--max-restarts``) and leaves membership to the workers
+(:mod:`adaptive.runtime.membership`, :mod:`adaptive.elastic.live`):
+
+* the job's TCPStore listens on the rendezvous endpoint; the first agent
+  there hosts it, the others connect to it.  The hosting agent stays up,
+  serving the store, until every other agent of the job is done (its own
+  workers may leave before);
+* it starts ``--nproc-per-node`` workers, each bound to it (they die with
+  it, whatever kills it) and told the store, this node's number and the
+  job's minimum and maximum size;
+* a worker that exits with 0 (training done) or 143 (it left, or the job
+  stopped, with nothing lost) is done; a worker that fails is started again
+  (at most ``--max-restarts`` times per agent) and joins the running job,
+  taking its state from its peers, or forms a new generation from the
+  checkpoint when no member is left; a worker fenced by a newer incarnation
+  (exit 3) ends this agent with 3;
+* SIGTERM or SIGINT is passed to the workers, which leave the job at their
+  next agreed step (the others continue); when every agent is stopped the
+  last members checkpoint and the job stops as without live mode.
+
+Exit status: 0 when every worker finished, 143 when they left or stopped
+gracefully, 3 when fenced, 1 when a worker failed more often than allowed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from typing import Any
+
+import portpicker
+
+from adaptive.runtime import env, launch_status, membership, process_tree
+
+__all__ = ["run", "DONE_EXIT_CODES"]
+
+logger = logging.getLogger(__name__)
+
+#: Worker exit statuses after which its slot is done (not restarted): finished, left or stopped.
+DONE_EXIT_CODES = (0, 143)
+#: Seconds between looks at the workers.
+POLL = 0.05
+#: Seconds the workers get to leave after a stop signal before they are killed.
+STOP_GRACE = 60.0
+#: Seconds the hosting agent keeps its store up for the other agents once no generation runs.
+RELEASE_GRACE = 10.0
+
+
+def _endpoint(args: Namespace) -> tuple[str, int]:
+    if args.standalone or not args.rdzv_endpoint:
+        return "127.0.0.1", portpicker.pick_unused_port()
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"adaptive-run --live: --rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
+    return host, int(port)
+
+
+def _size_bounds(args: Namespace, per_node: int) -> tuple[int, int]:
+    low, _, high = str(args.nnodes).partition(":")
+    try:
+        smallest, largest = int(low), int(high or low)
+    except ValueError:
+        raise SystemExit(f"adaptive-run --live: --nnodes must be N or MIN:MAX, got {args.nnodes!r}") from None
+    if not 1 <= smallest <= largest:
+        raise SystemExit(f"adaptive-run --live: --nnodes needs 1 <= MIN <= MAX, got {args.nnodes!r}")
+    return smallest * per_node, largest * per_node
+
+
+def _job_id(args: Namespace) -> str:
+    """The job's name, as its workers would take it (``ADAPTIVE_JOB_ID``, else the script's or module's name)."""
+    if os.environ.get("ADAPTIVE_JOB_ID"):
+        return env.job_id()
+    script = str(args.training_script)
+    stem = script.rsplit(".", 1)[-1] if args.module else os.path.splitext(os.path.basename(script))[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", stem or "default")
+
+
+def _host_or_connect(host: str, port: int) -> tuple[Any, bool]:
+    """The job's TCPStore: hosted here when the endpoint is free, else the one another agent hosts."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False), True
+    except (RuntimeError, dist.DistNetworkError) as error:
+        if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
+            raise
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False), False
+
+
+class LiveAgent:
+    """Starts, watches and restarts this node's workers (see the module docstring)."""
+
+    def __init__(self, args: Namespace, status_dir: str) -> None:
+        self.per_node = int(args.nproc_per_node)
+        if self.per_node < 1:
+            raise SystemExit(f"adaptive-run --live: --nproc-per-node must be a number >= 1, got {args.nproc_per_node!r}")
+        self.command = [sys.executable, "-u", *(["-m"] if args.module else []), args.training_script,
+                        *args.training_script_args]
+        self.smallest, self.largest = _size_bounds(args, self.per_node)
+        self.restarts_left = int(args.max_restarts)
+        self.host, self.port = _endpoint(args)
+        self.store, self.hosting = _host_or_connect(self.host, self.port)
+        self.node = int(self.store.add("adaptive/live/agents", 1))
+        self.store.add("adaptive/live/agents_active", 1)
+        self.status_dir = status_dir
+        self.job_id = _job_id(args)
+        self.workers: dict[int, subprocess.Popen[bytes] | None] = {}
+        self.codes: dict[int, int] = {}
+        self.starts: dict[int, int] = {}
+        self.stopping = False
+
+    def _environment(self, local_rank: int) -> dict[str, str]:
+        environment = process_tree.child_environment()
+        environment.update({
+            membership.STORE_VAR: f"{self.host}:{self.port}", membership.NODE_VAR: str(self.node),
+            membership.MIN_VAR: str(self.smallest), membership.MAX_VAR: str(self.largest),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node), "MASTER_ADDR": self.host,
+            "TORCHELASTIC_RESTART_COUNT": str(self.starts.get(local_rank, 0)),
+            launch_status.STATUS_DIR_VAR: self.status_dir, "ADAPTIVE_JOB_ID": self.job_id,
+        })
+        for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_PORT"):
+            environment.pop(name, None)  # the membership decides them
+        return environment
+
+    def _start(self, local_rank: int) -> None:
+        worker = self.workers[local_rank] = subprocess.Popen(self.command, env=self._environment(local_rank))
+        self.starts[local_rank] = self.starts.get(local_rank, 0) + 1
+        logger.info("adaptive-run --live: node %d started worker %d (pid %d)", self.node, local_rank, worker.pid)
+
+    def stop(self, signum: int, frame: Any = None) -> None:
+        """Pass a stop to the workers: they leave the job at their next agreed step."""
+        if self.stopping:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.stopping = True
+        logger.warning("adaptive-run --live: received %s; the workers of node %d leave the job",
+                       signal.Signals(signum).name, self.node)
+        for worker in self.workers.values():
+            if worker is not None and worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        """Run the workers until every one of them is done; the agent's exit status."""
+        for local_rank in range(self.per_node):
+            self._start(local_rank)
+        stop_deadline: float | None = None
+        while any(worker is not None for worker in self.workers.values()):
+            time.sleep(POLL)
+            if self.stopping and stop_deadline is None:
+                stop_deadline = time.monotonic() + STOP_GRACE
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                logger.error("adaptive-run --live: the workers did not leave within %.0f s; killing them", STOP_GRACE)
+                self._kill_all()
+                return 1
+            for local_rank, worker in list(self.workers.items()):
+                code = None if worker is None else worker.poll()
+                if worker is None or code is None:
+                    continue
+                status = self._worker_exited(local_rank, code)
+                if status is not None:
+                    return status
+        return self._exit_status()
+
+    def _worker_exited(self, local_rank: int, code: int) -> int | None:
+        """Restart or retire a worker that exited; an exit status when the whole agent must end now."""
+        self.workers[local_rank] = None
+        self.codes[local_rank] = code
+        if code == launch_status.STALE_GENERATION_EXIT_CODE or launch_status.stale_report(self.status_dir):
+            logger.error("adaptive-run --live: a newer incarnation of the job took over; ending this one")
+            self._kill_all()
+            return launch_status.STALE_GENERATION_EXIT_CODE
+        if code in DONE_EXIT_CODES or self.stopping:
+            return None
+        if self.restarts_left <= 0:
+            logger.error("adaptive-run --live: worker %d failed with %d and no restarts are left", local_rank, code)
+            self._kill_all()
+            return 1
+        self.restarts_left -= 1
+        logger.warning("adaptive-run --live: worker %d exited with %d; starting it again (%d restarts left)",
+                       local_rank, code, self.restarts_left)
+        self._start(local_rank)
+        return None
+
+    def _exit_status(self) -> int:
+        codes = set(self.codes.values())
+        if codes <= {0}:
+            return 0
+        return 143 if codes <= set(DONE_EXIT_CODES) else 1
+
+    def _kill_all(self) -> None:
+        process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
+
+    def release(self) -> None:
+        """Leave the job; the hosting agent serves the store while other agents' workers still train.
+
+        Once no generation runs, the other agents get :data:`RELEASE_GRACE`
+        seconds more to say they are done (a lost node's agent never does).
+        """
+        try:
+            active = int(self.store.add("adaptive/live/agents_active", -1))
+        except (RuntimeError, OSError) as error:  # the hosting agent is gone with its store: nothing to tell
+            logger.debug("could not tell the job's store that node %d is done: %s", self.node, error)
+            return
+        if not self.hosting or active <= 0:
+            return
+        logger.info("adaptive-run --live: node %d has no workers left; it keeps serving the job's store until the "
+                    "other nodes are done", self.node)
+        ended_at: float | None = None
+        while int(self.store.add("adaptive/live/agents_active", 0)) > 0:
+            if ended_at is None and not self._job_running():
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > RELEASE_GRACE:
+                return
+            time.sleep(0.1)
+
+    def _job_running(self) -> bool:
+        """Whether a generation of the job is running (a lost node's agent never says it is done)."""
+        prefix = f"adaptive/live/{self.job_id}/"
+        if not self.store.check([prefix + "gen"]):
+            return False
+        key = f"{prefix}gen/{int(self.store.get(prefix + 'gen'))}/state"
+        return self.store.check([key]) and self.store.get(key) == b"running"
+
+
+def run(args: Namespace, status_dir: str) -> int:
+    """``adaptive-run --live ARGS``: run this node's part of a live job; returns the exit status."""
+    agent = LiveAgent(args, status_dir)
+    signal.signal(signal.SIGTERM, agent.stop)
+    signal.signal(signal.SIGINT, agent.stop)
+    try:
+        status = agent.run()
+    finally:
+        agent.release()
+    return status

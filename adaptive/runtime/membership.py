@@ -1,0 +1,350 @@
+"""Live membership: which processes form the job now, agreed through the launchers' TCPStore.
+
+Used in live mode only (``adaptive-run --live``, which names its store in
+:data:`STORE_VAR`); without it nothing here runs and the job's members are
+torchrun's.  The job passes through *generations*: each is a fixed list of
+members (worker processes), numbered 1, 2, ... in the store, with a process
+group of its own (a ``PrefixStore`` per generation on the launchers' store,
+so a new group never meets an old one's keys).  A process becomes a member
+in one of two ways (:func:`join`):
+
+* **formation**: no generation is running (the job starts, or every member of
+  the last one was lost).  The first candidate closes the round once
+  ``ADAPTIVE_LIVE_MIN`` candidates registered and either ``ADAPTIVE_LIVE_MAX``
+  did or :data:`LAST_CALL` seconds passed; the members then restore from the
+  checkpoint on disk, as a restart does;
+* **admission**: a generation is running.  The process posts a join request
+  and waits; the running members notice it at their next agreement boundary
+  (:func:`pending_joins`), close their generation with the joiners added
+  (:func:`close_generation`) and hand them the training state over the new
+  group (:mod:`adaptive.checkpoint.peer_state`).
+
+A generation ends as ``running`` -> ``closed`` (it became the next one),
+``failed`` (a member saw a peer die: :func:`mark_failed`), or ``ended``
+(training finished or every member stopped); a process waiting for
+admission into one that failed or ended forms the next one instead.
+
+The process group of a generation is built by
+:func:`adaptive.runtime.collectives.init_process_group` (formation and
+admission) and :func:`adaptive.runtime.collectives.regroup` (survivors).
+Whatever holds a process group of its own (the model wrappers) registers
+with :func:`on_regroup` and is told when the group changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from adaptive.runtime import env
+from adaptive.runtime.job import current_job
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+__all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
+           "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed", "mark_ended",
+           "on_regroup", "notify_regroup", "generation_store", "members_env"]
+
+logger = logging.getLogger(__name__)
+
+#: ``host:port`` of the launchers' TCPStore; set by ``adaptive-run --live``.
+STORE_VAR = "ADAPTIVE_LIVE_STORE"
+#: The fewest and the most members of a generation formed from disk.
+MIN_VAR, MAX_VAR = "ADAPTIVE_LIVE_MIN", "ADAPTIVE_LIVE_MAX"
+#: The launcher (node) a worker belongs to: a number the launcher took from the store.
+NODE_VAR = "ADAPTIVE_LIVE_NODE"
+#: Seconds a formation waits for more candidates once the minimum registered.
+LAST_CALL = 1.0
+#: Seconds between looks at the store while waiting.
+POLL = 0.01
+#: A joiner that has not said it is waiting for this many seconds is not admitted (it died while waiting).
+JOINER_STALE = 2.0
+
+_RUNNING, _CLOSED, _FAILED, _ENDED = "running", "closed", "failed", "ended"
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One generation of the job: its number and its members in rank order (``{"wid", "node", "local"}``)."""
+
+    number: int
+    members: tuple[dict[str, int], ...]
+    joiners: tuple[int, ...] = ()  # worker ids admitted from a running generation (they take the state)
+
+    def rank_of(self, wid: int) -> int | None:
+        """The rank of worker ``wid`` in this generation, None when it is not a member."""
+        for rank, member in enumerate(self.members):
+            if member["wid"] == wid:
+                return rank
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members), "joiners": list(self.joiners)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        data = json.loads(text)
+        return cls(int(data["number"]), tuple(data["members"]), tuple(data.get("joiners", ())))
+
+
+@dataclasses.dataclass
+class Membership:
+    """This process's place in the live job: its record on the job context (:mod:`adaptive.runtime.job`)."""
+
+    store: torch.distributed.Store | None = None
+    wid: int | None = None  # this worker's id, unique in the job's store
+    generation: Generation | None = None  # the generation this process is a member of
+    took_state_from_peers: bool = False  # admitted into a running generation: its state comes over the group
+    awaiting_admission: bool = False  # found a running generation; asks to join once its objects are built
+    listeners: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    changes: int = 0  # generations this process went through after its first
+
+
+def is_live() -> bool:
+    """Whether this process runs under ``adaptive-run --live``."""
+    return bool(os.environ.get(STORE_VAR))
+
+
+def membership() -> Membership:
+    """This job's membership record."""
+    return current_job().part(Membership)
+
+
+def generation_number() -> int | None:
+    """The live generation this process is a member of (None outside live mode)."""
+    generation = membership().generation
+    return None if generation is None else generation.number
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name) or ""
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _connect(timeout: float) -> torch.distributed.Store:
+    import torch.distributed as dist
+
+    host, _, port = os.environ[STORE_VAR].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"environment variable {STORE_VAR}={os.environ[STORE_VAR]!r} must be host:port")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"adaptive/live/{env.job_id()}/", store)
+
+
+def _get(store: torch.distributed.Store, key: str) -> str | None:
+    """The value of ``key``, None when absent (never blocks)."""
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def generation_store(number: int) -> torch.distributed.Store:
+    """The store the process group of generation ``number`` rendezvouses on."""
+    import torch.distributed as dist
+
+    record = membership()
+    assert record.store is not None, "join() first"
+    return dist.PrefixStore(f"gen/{number}/group/", record.store)
+
+
+def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
+    """Become a member: form a generation or be admitted into the running one (see the module docstring).
+
+    Blocks until this process is a member, at most ``timeout`` seconds.
+    With ``admit_now=False`` a process that finds a generation running does
+    not ask to join yet: it returns None and marks itself
+    ``awaiting_admission``, so that it can build its model and loaders
+    first (the running members do not wait for that); it joins with a
+    second call.
+
+    Raises:
+        TimeoutError: no generation took this process in time.
+    """
+    record = membership()
+    if record.generation is not None:
+        return record.generation
+    if record.store is None:
+        record.store = _connect(timeout)
+        record.wid = int(record.store.add("workers", 1))
+    store, wid = record.store, record.wid
+    assert wid is not None
+    me = {"wid": wid, "node": _int_env(NODE_VAR, 0), "local": env.local_rank()}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = int(_get(store, "gen") or 0)
+        state = _get(store, f"gen/{current}/state") if current else None
+        if state == _RUNNING and not admit_now:
+            record.awaiting_admission = True
+            return None
+        if state == _RUNNING:
+            joined = _admission(store, current, me, deadline)
+        else:
+            joined = _formation(store, current + 1, me, deadline)
+        if joined is not None:
+            record.generation, record.awaiting_admission = joined, False
+            record.took_state_from_peers = wid in joined.joiners
+            logger.info("worker %d is rank %d of %d in generation %d of the live job%s", wid,
+                        joined.rank_of(wid), len(joined.members), joined.number,
+                        " (its state comes from its peers)" if record.took_state_from_peers else "")
+            return joined
+    raise TimeoutError(f"no generation of the live job took worker {wid} within {timeout:.0f} s")
+
+
+def _formation(store: torch.distributed.Store, number: int, me: dict[str, int], deadline: float) -> Generation | None:
+    """Register for generation ``number`` formed from disk; the generation, or None when another one started."""
+    position = int(store.add(f"gen/{number}/candidates", 1))
+    store.set(f"gen/{number}/candidate/{position}", json.dumps(me))
+    if position == 1:  # the first candidate closes the round
+        _close_formation(store, number, deadline)
+    members_key = f"gen/{number}/members"
+    while time.monotonic() < deadline:
+        text = _get(store, members_key)
+        if text is not None:
+            formed = Generation.from_json(text)
+            return formed if formed.rank_of(me["wid"]) is not None else None  # late: join it running
+        time.sleep(POLL)
+    return None
+
+
+def _close_formation(store: torch.distributed.Store, number: int, deadline: float) -> None:
+    smallest = max(1, _int_env(MIN_VAR, 1))
+    largest = max(smallest, _int_env(MAX_VAR, smallest))
+    count_key = f"gen/{number}/candidates"
+    reached: float | None = None
+    while time.monotonic() < deadline:
+        count = int(store.add(count_key, 0))
+        now = time.monotonic()
+        if count >= smallest and reached is None:
+            reached = now
+        if count >= largest or (reached is not None and now - reached >= LAST_CALL):
+            break
+        time.sleep(POLL)
+    count = min(int(store.add(count_key, 0)), largest)
+    members = sorted((json.loads(store.get(f"gen/{number}/candidate/{i}")) for i in range(1, count + 1)),
+                     key=lambda m: (m["node"], m["local"], m["wid"]))
+    formed = Generation(number, tuple(members))
+    store.set(f"gen/{number}/members", formed.to_json())
+    store.set(f"gen/{number}/state", _RUNNING)
+    store.set("gen", str(number))
+    logger.debug("formed generation %d with %d members from disk", number, len(members))
+
+
+def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], deadline: float) -> Generation | None:
+    """Ask running generation ``number`` to admit this process; the next generation, or None to look again."""
+    position = int(store.add(f"gen/{number}/joins", 1))
+    store.set(f"gen/{number}/join/{position}/waiting", repr(time.time()))
+    store.set(f"gen/{number}/join/{position}", json.dumps(me))
+    logger.info("worker %d asks the running generation %d to admit it", me["wid"], number)
+    said = time.monotonic()
+    while time.monotonic() < deadline:
+        if time.monotonic() - said > JOINER_STALE / 4:  # still waiting (and alive)
+            store.set(f"gen/{number}/join/{position}/waiting", repr(time.time()))
+            said = time.monotonic()
+        text = _get(store, f"gen/{number}/next")
+        if text is not None:
+            following = Generation.from_json(text)
+            return following if following.rank_of(me["wid"]) is not None else None
+        if _get(store, f"gen/{number}/state") in (_FAILED, _ENDED):
+            return None
+        time.sleep(POLL)
+    return None
+
+
+def pending_joins() -> int:
+    """How many processes asked the running generation to admit them (one store read)."""
+    record = membership()
+    if record.store is None or record.generation is None:
+        return 0
+    return int(record.store.add(f"gen/{record.generation.number}/joins", 0))
+
+
+def close_generation(survivors: list[int], joins: int) -> Generation:
+    """On the generation's rank 0: publish the next generation (``survivors`` by worker id, then the first
+    ``joins`` joiners) and close this one.  The other members learn it from rank 0."""
+    record = membership()
+    assert record.store is not None and record.generation is not None
+    store, current = record.store, record.generation
+    kept = [member for member in current.members if member["wid"] in set(survivors)]
+    joiners = [json.loads(store.get(f"gen/{current.number}/join/{i}")) for i in range(1, joins + 1)
+               if _still_waiting(store, current.number, i)]
+    following = Generation(current.number + 1, tuple(kept + joiners), tuple(m["wid"] for m in joiners))
+    store.set(f"gen/{following.number}/state", _RUNNING)
+    store.set(f"gen/{following.number}/members", following.to_json())
+    store.set("gen", str(following.number))
+    store.set(f"gen/{current.number}/next", following.to_json())
+    store.set(f"gen/{current.number}/state", _CLOSED)
+    return following
+
+
+def _still_waiting(store: torch.distributed.Store, number: int, position: int) -> bool:
+    """Whether join request ``position`` of generation ``number`` was renewed lately (its process lives)."""
+    said = _get(store, f"gen/{number}/join/{position}/waiting")
+    if said is None or time.time() - float(said) > JOINER_STALE:
+        logger.warning("not admitting join request %d: its process stopped waiting (it died?)", position)
+        return False
+    return True
+
+
+def enter(following: Generation) -> int | None:
+    """This process moves to generation ``following``; its rank there, None when it is not a member."""
+    record = membership()
+    assert record.wid is not None
+    record.generation = following
+    record.took_state_from_peers = record.wid in following.joiners
+    record.changes += 1
+    return following.rank_of(record.wid)
+
+
+def mark_failed() -> None:
+    """A member saw a peer die: its generation is over (those waiting to join form the next one)."""
+    _mark(_FAILED)
+
+
+def mark_ended() -> None:
+    """Training finished, or every member stopped: nobody will admit a joiner into this generation."""
+    _mark(_ENDED)
+
+
+def _mark(state: str) -> None:
+    record = membership()
+    if record.store is None or record.generation is None:
+        return
+    try:
+        record.store.set(f"gen/{record.generation.number}/state", state)
+    except Exception as error:  # the store may be gone with its launcher: nothing left to tell
+        logger.debug("could not mark generation %d %s: %s", record.generation.number, state, error)
+
+
+def on_regroup(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` after every change of this process's group (a wrapper rebinds its reducer)."""
+    membership().listeners.append(listener)
+
+
+def notify_regroup() -> None:
+    """Tell every listener that the process group changed (called by :func:`adaptive.runtime.collectives.regroup`)."""
+    for listener in list(membership().listeners):
+        listener()
+
+
+def members_env(generation: Generation, wid: int) -> dict[str, str]:
+    """torchrun's variables for worker ``wid`` in ``generation`` (the library reads them through :mod:`.env`).
+
+    ``LOCAL_RANK`` stays the launcher's: it names the worker's device, which does not move.
+    """
+    rank = generation.rank_of(wid)
+    assert rank is not None
+    nodes = sorted({member["node"] for member in generation.members})
+    node = generation.members[rank]["node"]
+    local = [member for member in generation.members if member["node"] == node]
+    return {"RANK": str(rank), "WORLD_SIZE": str(len(generation.members)), "GROUP_RANK": str(nodes.index(node)),
+            "GROUP_WORLD_SIZE": str(len(nodes)), "LOCAL_WORLD_SIZE": str(len(local))}

@@ -1,0 +1,82 @@
+"""Training script for bench_live.py: logs the end of every step (time, world size, generation), per process.
+
+``BENCH_PLAIN=1`` trains the same model with plain DDP and a plain
+``DataLoader`` + ``DistributedSampler`` under torchrun (the baseline).
+"""
+import time
+
+T_START = time.time()
+import json  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+T_TORCH = time.time()
+import torch.distributed as dist  # noqa: E402
+
+OUT = os.environ["WORKER_OUT"]
+WIDTH = int(os.environ.get("BENCH_WIDTH", "1024"))
+STEPS = int(os.environ.get("BENCH_STEPS", "100000"))
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                                torch.nn.ReLU(), torch.nn.Linear(WIDTH, 10))
+    data = torch.utils.data.TensorDataset(torch.randn(4096, WIDTH), torch.randint(0, 10, (4096,)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4), data
+
+
+def log_step(handle, generation):
+    handle.write(json.dumps({"time": time.time(), "world": dist.get_world_size(), "generation": generation}) + "\n")
+    handle.flush()
+
+
+def plain() -> None:
+    dist.init_process_group("gloo")
+    model, optimizer, data = build()
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=64 // dist.get_world_size(), sampler=sampler)
+    steps = 0
+    with open(os.path.join(OUT, f"steps.{os.getpid()}.jsonl"), "a") as handle:
+        for epoch in range(1000):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                log_step(handle, None)
+                steps += 1
+                if steps >= STEPS:
+                    return
+
+
+def adaptive_job() -> None:
+    import adaptive
+    from adaptive.runtime import membership
+
+    with open(os.path.join(OUT, f"start.{os.getpid()}.json"), "w") as handle:
+        json.dump({"start": T_START, "torch": T_TORCH}, handle)
+    adaptive.init_process_group("gloo")
+    model, optimizer, data = build()
+    model = adaptive.AdaptiveDataParallel(model, optimizer)
+    loader = adaptive.AdaptiveDataLoader(data, batch_size=64, shuffle=True)
+    steps = 0
+    with open(os.path.join(OUT, f"steps.{os.getpid()}.jsonl"), "a") as handle:
+        for epoch in adaptive.remaining_epochs_until(1000):
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                log_step(handle, membership.generation_number())
+                steps += 1
+                if steps >= STEPS:
+                    adaptive.finish_training()
+                    break
+
+
+if __name__ == "__main__":
+    plain() if os.environ.get("BENCH_PLAIN") == "1" else adaptive_job()

@@ -1,0 +1,239 @@
+"""Live membership (``adaptive-run --live``) with real launchers, workers and signals on 127.0.0.1.
+
+Each case starts launchers of one job on one TCPStore, changes the
+membership while it trains, and checks what the workers logged
+(``tests/workers/live_worker.py``): which processes trained which steps
+(PIDs), that every member of a step held the same model, optimizer and LR
+scheduler state before it (so a joiner's state equals its donor's bit for
+bit), and that every sample was trained once per epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+from pathlib import Path
+
+import portpicker
+import pytest
+
+from elastic_harness import Jobs, live_pids, tail, wait_exit, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+LIVE_WORKER = REPO / "tests" / "workers" / "live_worker.py"
+SAMPLES, BATCH = 480, 24
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    started = Jobs(tmp_path)
+    yield started
+    started.cleanup()
+
+
+def _launch(jobs: Jobs, out: Path, port: int, name: str, per_node: int = 1, restarts: int = 0, **extra: str):
+    args = ["--live", "--nnodes", "1:4", "--nproc-per-node", str(per_node), "--max-restarts", str(restarts),
+            "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    settings = {"WORKER_SAMPLES": str(SAMPLES), "WORKER_BATCH": str(BATCH), **extra}
+    return jobs.launch(args, out, f"{name}.log", script=LIVE_WORKER, **settings)
+
+
+def _steps(out: Path) -> list[dict]:
+    """Every step record of every process, oldest first."""
+    records = []
+    for path in out.glob("steps.*.jsonl"):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r["time"])
+
+
+def _exits(out: Path) -> dict[int, int]:
+    path = out / "exits.jsonl"
+    if not path.exists():
+        return {}
+    return {r["pid"]: r["code"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {log.name}\n{tail(log, 40)}" for log in sorted(out.rglob("*.log")))
+
+
+def _wait_steps(out: Path, predicate, what: str, timeout: float = 90.0) -> list[dict]:
+    return wait_for(lambda: (lambda records: records if predicate(records) else None)(_steps(out)), timeout, what)
+
+
+def _check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:
+    """Every step was trained by exactly its world's members from one state, and each epoch saw every
+    sample once; returns the records by (epoch, step)."""
+    by_step: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
+    for record in _steps(out):
+        by_step[(record["epoch"], record["step"])].append(record)
+    for (epoch, step), records in by_step.items():
+        worlds = {r["world"] for r in records}
+        assert len(worlds) == 1 and len(records) == worlds.pop(), \
+            f"epoch {epoch} step {step} was trained by {[(r['pid'], r['rank'], r['world']) for r in records]}"
+        assert sorted(r["rank"] for r in records) == list(range(len(records)))
+        assert len({r["digest"] for r in records}) == 1, \
+            f"the members of epoch {epoch} step {step} held different states: {[r['pid'] for r in records]}"
+    for epoch in range(epochs):
+        seen = collections.Counter(i for (e, _), records in by_step.items() if e == epoch
+                                   for r in records for i in r["indices"])
+        assert set(seen) == set(range(SAMPLES)), f"epoch {epoch} missed {sorted(set(range(SAMPLES)) - set(seen))}"
+        repeated = sum(count - 1 for count in seen.values())
+        assert repeated < 4, f"epoch {epoch} repeated {repeated} samples"
+    records = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in records), records
+    done = json.loads((out / "done.json").read_text())
+    assert done["model_steps"] == done["step"] == len(by_step), done
+    return by_step
+
+
+def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_survivor_keeps_running(jobs, tmp_path):
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_LOADER_WORKERS": "1"}
+    first = _launch(jobs, out, port, "first", **settings)
+    records = _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    survivor = records[0]["pid"]
+    second = _launch(jobs, out, port, "second", **settings)
+    records = _wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 12, "the joiner to train")
+    joiner = next(r["pid"] for r in records if r["pid"] != survivor)
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, _logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
+
+    by_step = _check_steps(out, epochs=4)
+    pids = [r["pid"] for r in _steps(out)]
+    assert set(pids) == {survivor, joiner}, f"a worker was restarted: {set(pids)}\n{_logs(out)}"
+    assert _exits(out) == {survivor: 0, joiner: 143}
+    worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
+    assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1, worlds
+    changes = [i for i in range(1, len(worlds)) if worlds[i] != worlds[i - 1]]
+    assert len(changes) == 2, worlds  # one join, one leave, nothing else
+    generations = sorted({r["generation"] for r in _steps(out)})
+    assert generations == [1, 2, 3]
+    joined = min(r["step"] + 1000 * r["epoch"] for r in _steps(out) if r["pid"] == joiner)
+    assert joined > 0, "the joiner started at the first step: it did not join a running job"
+    assert live_pids([survivor, joiner]) == []
+
+
+def test_two_joiners_at_once_with_autoscale_and_accumulation(jobs, tmp_path):
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "WORKER_AUTOSCALE": "48,4,16,1,3"}
+    first = _launch(jobs, out, port, "first", **settings)
+    records = _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    survivor = records[0]["pid"]
+    second = _launch(jobs, out, port, "second", per_node=2, **settings)
+    assert wait_exit(second, 120, out / "second.log") == 0, _logs(out)
+    assert wait_exit(first, 60, out / "first.log") == 0, _logs(out)
+
+    by_step = _check_steps(out, epochs=3)
+    worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
+    assert worlds[0] == 1 and worlds[-1] == 3 and set(worlds) == {1, 3}, worlds  # both joined at one boundary
+    pids = {r["pid"] for r in _steps(out)}
+    assert len(pids) == 3 and survivor in pids and set(_exits(out).values()) == {0}
+
+
+def test_a_killed_worker_is_started_again_and_the_job_resumes_exactly(jobs, tmp_path):
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5"}
+    first = _launch(jobs, out, port, "first", restarts=2, **settings)
+    second = _launch(jobs, out, port, "second", restarts=2, **settings)
+    records = _wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 16, "both nodes to train")
+    victim = next(r["pid"] for r in reversed(records) if r["rank"] == 1)
+    os.kill(victim, signal.SIGKILL)
+    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
+
+    # A crash rolls back to the last checkpoint: the steps after it were trained twice, by the old and
+    # the new processes.  The newest record of each step is the one that counts.
+    newest: dict[tuple[int, int, int], dict] = {}
+    for record in _steps(out):
+        newest[(record["epoch"], record["step"], record["rank"])] = record
+    counted = collections.Counter(i for r in newest.values() if r["epoch"] == 1 for i in r["indices"])
+    assert set(counted) <= set(range(SAMPLES))
+    records = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    last = {r["epoch"]: r for r in records}
+    assert sorted(last) == [0, 1, 2] and all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values())
+    assert victim in _exits(out) or victim not in live_pids([victim])
+
+
+def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
+    """The scheduler's decisions 1 -> 2 -> 1 replicas reach a running job as a join and a leave."""
+    import time
+
+    from policy_cases import ScriptedPolicy
+    from scheduler.cluster import ClusterSpec
+    from scheduler.executor.executor import Executor, JobState
+    from scheduler.executor.jobspec import JobSpec
+    from scheduler.executor.local_live import LiveLocalBackend
+
+    out = tmp_path / "job"
+    out.mkdir()
+    replicas = {"n": 1}
+    spec = JobSpec(name="live", command=(str(LIVE_WORKER),), checkpoint_dir=str(tmp_path / "ckpt"), max_replicas=2,
+                   max_failures=0, env={"WORKER_OUT": str(out), "WORKER_SAMPLES": str(SAMPLES),
+                                        "WORKER_BATCH": str(BATCH), "WORKER_EPOCHS": "4",
+                                        "WORKER_STEP_SLEEP": "0.08", "OMP_NUM_THREADS": "1",
+                                        "ADAPTIVE_COLLECTIVE_TIMEOUT": "60", "PYTHONPATH": str(REPO)})
+    ex = Executor(LiveLocalBackend(str(tmp_path / "logs")), ScriptedPolicy(lambda jobs, nodes: {
+        name: [0] * replicas["n"] for name in jobs}), ClusterSpec(1, 2), interval=0.2, grace_period=60)
+    ex.submit(spec)
+    deadline = time.monotonic() + 240
+    phase = "alone"
+    try:
+        while not ex.done:
+            assert time.monotonic() < deadline, f"the job did not finish: {ex.status()}\n{_logs(tmp_path / 'logs')}"
+            ex.step()
+            records = _steps(out)
+            if phase == "alone" and len(records) >= 8:
+                replicas["n"], phase = 2, "growing"
+            elif phase == "growing" and sum(r["world"] == 2 for r in records) >= 16:
+                replicas["n"], phase = 1, "shrinking"
+            time.sleep(0.1)
+    finally:
+        ex.shutdown(timeout=30)
+    (status,) = ex.status()
+    assert status["state"] == "succeeded" and status["launches"] == 1, status
+    by_step = _check_steps(out, epochs=4)
+    worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
+    assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1, worlds
+    first = _steps(out)[0]["pid"]
+    assert all(r["pid"] == first for r in _steps(out) if r["rank"] == 0), "the first worker was restarted"
+    assert sorted(_exits(out).values()) == [0, 143]
+
+
+def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatch):
+    """Rank 0 admits only joiners that renewed their request lately: a joiner that died while waiting
+    would otherwise hold the whole job in the new group's rendezvous."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from adaptive.runtime import membership
+    from adaptive.runtime.job import reset_job
+
+    port = portpicker.pick_unused_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    monkeypatch.setenv(membership.STORE_VAR, f"127.0.0.1:{port}")
+    monkeypatch.setenv("ADAPTIVE_JOB_ID", "membership-unit")
+    reset_job()
+    try:
+        first = membership.join(10.0)  # forms generation 1 alone (ADAPTIVE_LIVE_MIN defaults to 1)
+        assert first is not None and first.number == 1 and len(first.members) == 1
+        store = membership.membership().store
+        for position, (wid, said) in enumerate([(101, time.time()), (102, time.time() - 60)], start=1):
+            store.add("gen/1/joins", 1)
+            store.set(f"gen/1/join/{position}/waiting", repr(said))
+            store.set(f"gen/1/join/{position}", json.dumps({"wid": wid, "node": 9, "local": 0}))
+        assert membership.pending_joins() == 2
+        following = membership.close_generation([first.members[0]["wid"]], joins=2)
+        assert [m["wid"] for m in following.members] == [first.members[0]["wid"], 101]
+        assert following.joiners == (101,) and following.number == 2
+        assert store.get("gen").decode() == "2" and store.get("gen/1/state").decode() == "closed"
+    finally:
+        reset_job()
+        del server

@@ -1,0 +1,117 @@
+"""A training script for the live-membership tests: it logs every step it trains, per process.
+
+Environment knobs (all optional but WORKER_OUT):
+    WORKER_OUT          folder for the logs (required)
+    WORKER_SAMPLES      dataset size (default 480)
+    WORKER_BATCH        global batch size (default 24)
+    WORKER_EPOCHS       epochs to train (default 3)
+    WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
+    WORKER_LOADER_WORKERS  DataLoader worker processes per rank (default 0)
+    WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
+
+Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
+trained: its rank, the world size and the live generation then, the epoch,
+the loader's step, the sample indices of its micro-batches, and a digest of
+the model and optimizer state *before* the step (every member of a step
+must hold the same).  Rank 0 appends each epoch's per-sample counts (summed
+over the replicas by an Accumulator) to ``epochs.jsonl``, and at the end
+writes ``done.json``.  Each process appends its pid and exit status to
+``exits.jsonl``.
+"""
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import adaptive
+from adaptive.runtime import membership
+from worker_common import StepCountingLinear, append_jsonl, state_digest, write_json
+
+OUT = os.environ["WORKER_OUT"]
+SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
+BATCH = int(os.environ.get("WORKER_BATCH", "24"))
+EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
+STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
+LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
+AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
+
+logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, index):
+        x = index / SAMPLES
+        noise = math.sin(index * 12.9898) * 43758.5453 % 1.0 - 0.5
+        return torch.tensor([x, x * x]), torch.tensor([2 * x + noise]), index
+
+
+def main():
+    adaptive.init_process_group("gloo")
+    model = StepCountingLinear(2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+    model = adaptive.AdaptiveDataParallel(model, optimizer, scheduler)
+    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
+                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
+    if AUTOSCALE:
+        max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
+        loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
+                                    adapt_every=every)
+    counts = adaptive.Accumulator()
+    log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
+    indices, digest = [], None
+    for epoch in adaptive.remaining_epochs_until(EPOCHS):
+        for x, y, index in loader:
+            if digest is None:  # the state this step starts from (before its first micro-batch)
+                digest = state_digest({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                       "scheduler": scheduler.state_dict()})
+            loss = (model(x) - y).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            indices.extend(index.tolist())
+            counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            if not loader.is_accumulation_step():
+                model.module.steps += 1
+                scheduler.step()
+                append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
+                                   "world": dist.get_world_size(), "generation": membership.generation_number(),
+                                   "epoch": epoch, "step": loader.step, "indices": indices, "digest": digest})
+                indices, digest = [], None
+            time.sleep(STEP_SLEEP)
+        with counts.synchronized():
+            seen = counts["seen"]
+            if dist.get_rank() == 0:
+                append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
+                    "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
+                    "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step,
+                    "model_steps": int(model.module.steps)})
+            counts.clear()
+    if dist.get_rank() == 0:
+        write_json(os.path.join(OUT, "done.json"), {"step": loader.step, "model_steps": int(model.module.steps),
+                                                     "world": dist.get_world_size()})
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        append_jsonl(os.path.join(OUT, "exits.jsonl"), {"pid": os.getpid(), "time": time.time(), "code": code})
+        sys.stdout.flush()
