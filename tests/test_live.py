@@ -237,3 +237,43 @@ def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatc
     finally:
         reset_job()
         del server
+
+
+def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
+    """The joiner's worker is SIGKILLed as soon as it asked to join (while it is admitted and receives
+    the state): whatever that interrupts, its agent starts it again and every step is still trained by
+    all its members from one state, each sample once per epoch."""
+    import psutil
+
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
+                "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
+    first = _launch(jobs, out, port, "first", restarts=2, **settings)
+    _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    second = _launch(jobs, out, port, "second", restarts=2, **settings)
+    wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
+             "the joiner to ask to join")
+    (victim,) = [child.pid for child in psutil.Process(second.pid).children() if "live_worker" in " ".join(
+        child.cmdline())]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
+    assert live_pids([victim]) == []
+
+    # A rollback (if the kill broke a step) trains the steps since the last checkpoint again: per step,
+    # the newest records count, and they must come from one consistent set of members.
+    newest: dict[tuple[int, int], list[dict]] = {}
+    for record in _steps(out):
+        key = (record["epoch"], record["step"])
+        group = newest.get(key, [])
+        if group and record["time"] - group[-1]["time"] > 1.0:  # trained again after a rollback
+            group = []
+        newest[key] = group + [record]
+    for (epoch, step), records in newest.items():
+        assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, (epoch, step)
+    for epoch in range(3):
+        seen = collections.Counter(i for (e, _), records in newest.items() if e == epoch
+                                   for r in records for i in r["indices"])
+        assert set(seen) == set(range(SAMPLES)) and sum(seen.values()) - SAMPLES < 4, epoch
+    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
+    assert sorted(last) == [0, 1, 2] and all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values())

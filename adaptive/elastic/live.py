@@ -94,7 +94,11 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
         return Outcome.STOP
     for state in states.registered_states():
         state.sync()
-    following = membership.close_generation(survivors, joins) if env.rank() == 0 else None
+    following = None
+    if env.rank() == 0:
+        following = membership.close_generation(survivors, joins)
+        if following.joiners and not membership.await_arrivals(following, membership.ADMISSION_TIMEOUT):
+            following = membership.abandon_admission(following)
     following = collectives.broadcast_object(following)
     assert following is not None
     before = env.num_replicas()
@@ -102,7 +106,11 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
         logger.info("left the live job at %s; generation %d continues with %d members", _where(metadata),
                     following.number, len(following.members))
         return Outcome.LEAVE
-    collectives.regroup(following)
+    same = [m["wid"] for m in following.members] == [wid for wid, _ in leaving]
+    if same:  # nobody left or joined (an admission was abandoned): the groups stay, the generation moves on
+        membership.enter(following)
+    else:
+        collectives.regroup(following)
     states.renew_generation()
     regrouped = time.perf_counter()
     if following.joiners:

@@ -54,8 +54,10 @@ DONE_EXIT_CODES = (0, 143)
 POLL = 0.05
 #: Seconds the workers get to leave after a stop signal before they are killed.
 STOP_GRACE = 60.0
-#: Seconds the hosting agent keeps its store up for the other agents once no generation runs.
-RELEASE_GRACE = 10.0
+#: Seconds between an agent's signs of life in the job's store.
+BEAT_INTERVAL = 0.5
+#: An agent whose last sign of life is older than this is taken for lost (with its node).
+AGENT_STALE = 5.0
 
 
 def _endpoint(args: Namespace) -> tuple[str, int]:
@@ -114,7 +116,7 @@ class LiveAgent:
         self.host, self.port = _endpoint(args)
         self.store, self.hosting = _host_or_connect(self.host, self.port)
         self.node = int(self.store.add("adaptive/live/agents", 1))
-        self.store.add("adaptive/live/agents_active", 1)
+        self._beat()
         self.status_dir = status_dir
         self.job_id = _job_id(args)
         self.workers: dict[int, subprocess.Popen[bytes] | None] = {}
@@ -153,6 +155,11 @@ class LiveAgent:
             if worker is not None and worker.poll() is None:
                 worker.send_signal(signal.SIGTERM)
 
+    def _beat(self, done: bool = False) -> None:
+        """Tell the other agents (the hosting one) that this one lives, or that it is done."""
+        self.store.set(f"adaptive/live/agent/{self.node}", "done" if done else repr(time.time()))
+        self.beaten = time.monotonic()
+
     def run(self) -> int:
         """Run the workers until every one of them is done; the agent's exit status."""
         for local_rank in range(self.per_node):
@@ -160,6 +167,8 @@ class LiveAgent:
         stop_deadline: float | None = None
         while any(worker is not None for worker in self.workers.values()):
             time.sleep(POLL)
+            if time.monotonic() - self.beaten > BEAT_INTERVAL:
+                self._beat()
             if self.stopping and stop_deadline is None:
                 stop_deadline = time.monotonic() + STOP_GRACE
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -205,35 +214,34 @@ class LiveAgent:
         process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
 
     def release(self) -> None:
-        """Leave the job; the hosting agent serves the store while other agents' workers still train.
+        """Leave the job; the hosting agent serves the store while another agent lives.
 
-        Once no generation runs, the other agents get :data:`RELEASE_GRACE`
-        seconds more to say they are done (a lost node's agent never does).
+        An agent lives while it renews its sign of life in the store (a lost
+        node's agent stops renewing it and is not waited for).
         """
         try:
-            active = int(self.store.add("adaptive/live/agents_active", -1))
+            self._beat(done=True)
         except (RuntimeError, OSError) as error:  # the hosting agent is gone with its store: nothing to tell
             logger.debug("could not tell the job's store that node %d is done: %s", self.node, error)
             return
-        if not self.hosting or active <= 0:
+        if not self.hosting or not self._others_alive():
             return
-        logger.info("adaptive-run --live: node %d has no workers left; it keeps serving the job's store until the "
-                    "other nodes are done", self.node)
-        ended_at: float | None = None
-        while int(self.store.add("adaptive/live/agents_active", 0)) > 0:
-            if ended_at is None and not self._job_running():
-                ended_at = time.monotonic()
-            if ended_at is not None and time.monotonic() - ended_at > RELEASE_GRACE:
-                return
+        logger.warning("adaptive-run --live: node %d has no workers left; it keeps serving the job's store until "
+                       "the other nodes are done", self.node)
+        while self._others_alive():
             time.sleep(0.1)
 
-    def _job_running(self) -> bool:
-        """Whether a generation of the job is running (a lost node's agent never says it is done)."""
-        prefix = f"adaptive/live/{self.job_id}/"
-        if not self.store.check([prefix + "gen"]):
-            return False
-        key = f"{prefix}gen/{int(self.store.get(prefix + 'gen'))}/state"
-        return self.store.check([key]) and self.store.get(key) == b"running"
+    def _others_alive(self) -> bool:
+        """Whether another agent of the job renewed its sign of life lately."""
+        count = int(self.store.add("adaptive/live/agents", 0))
+        for node in range(1, count + 1):
+            key = f"adaptive/live/agent/{node}"
+            if node == self.node or not self.store.check([key]):
+                continue
+            said = self.store.get(key).decode()
+            if said != "done" and time.time() - float(said) < AGENT_STALE:
+                return True
+        return False
 
 
 def run(args: Namespace, status_dir: str) -> int:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
            "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed", "mark_ended",
-           "on_regroup", "notify_regroup", "generation_store", "members_env"]
+           "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ LAST_CALL = 1.0
 POLL = 0.01
 #: A joiner that has not said it is waiting for this many seconds is not admitted (it died while waiting).
 JOINER_STALE = 2.0
+#: Seconds rank 0 waits for the admitted joiners to arrive before it continues without them.
+ADMISSION_TIMEOUT = 5.0
 
 _RUNNING, _CLOSED, _FAILED, _ENDED = "running", "closed", "failed", "ended"
 
@@ -253,11 +255,66 @@ def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], 
         text = _get(store, f"gen/{number}/next")
         if text is not None:
             following = Generation.from_json(text)
-            return following if following.rank_of(me["wid"]) is not None else None
+            if following.rank_of(me["wid"]) is None:
+                return None  # not admitted this time: ask the next generation
+            return _arrive(store, following, me["wid"], deadline)
         if _get(store, f"gen/{number}/state") in (_FAILED, _ENDED):
             return None
         time.sleep(POLL)
     return None
+
+
+def _arrive(store: torch.distributed.Store, following: Generation, wid: int, deadline: float) -> Generation | None:
+    """An admitted joiner says it is here and waits for rank 0's go; None when the admission was abandoned."""
+    store.set(f"gen/{following.number}/arrived/{wid}", "1")
+    while time.monotonic() < deadline:
+        if store.check([f"gen/{following.number}/go"]):
+            return following
+        if _get(store, f"gen/{following.number}/state") == _FAILED:
+            return None  # another joiner did not arrive: ask again
+        time.sleep(POLL)
+    return None
+
+
+def await_arrivals(following: Generation, timeout: float) -> bool:
+    """On rank 0, after :func:`close_generation`: whether every joiner of ``following`` arrived in time.
+
+    When they did, they are told to go on and build the new group; when one
+    did not (it died after asking to join), the caller abandons the
+    admission (:func:`abandon_admission`) rather than wait for it in the
+    group's rendezvous.
+    """
+    record = membership()
+    assert record.store is not None
+    keys = [f"gen/{following.number}/arrived/{wid}" for wid in following.joiners]
+    deadline = time.monotonic() + timeout
+    while not record.store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL)
+    record.store.set(f"gen/{following.number}/go", "1")
+    return True
+
+
+def abandon_admission(following: Generation) -> Generation:
+    """On rank 0: a joiner of ``following`` never arrived; the generation after it keeps the old members only.
+
+    The joiners that did arrive see ``following`` fail and ask the new one
+    to admit them.
+    """
+    record = membership()
+    assert record.store is not None
+    store = record.store
+    kept = tuple(member for member in following.members if member["wid"] not in set(following.joiners))
+    instead = Generation(following.number + 1, kept)
+    store.set(f"gen/{instead.number}/state", _RUNNING)
+    store.set(f"gen/{instead.number}/members", instead.to_json())
+    store.set("gen", str(instead.number))
+    store.set(f"gen/{following.number}/next", instead.to_json())
+    store.set(f"gen/{following.number}/state", _FAILED)
+    logger.warning("a joiner admitted into generation %d did not arrive within the admission timeout; "
+                   "generation %d continues without the joiners", following.number, instead.number)
+    return instead
 
 
 def pending_joins() -> int:

@@ -34,6 +34,18 @@ from scheduler.executor.jobspec import JobSpec
 logger = logging.getLogger(__name__)
 
 
+def job_environment(spec: JobSpec, devices: Sequence[int] | None) -> dict[str, str]:
+    """The environment of a launcher of ``spec``: bound to this process, the job's folders, its devices
+    (``CUDA_VISIBLE_DEVICES`` when ``devices`` is given)."""
+    env = process_tree.child_environment()
+    env.update(spec.env)
+    env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
+                "ADAPTIVE_SHARE_PATH": spec.share_dir})
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    return env
+
+
 @dataclass
 class LocalHandle:
     """A running launcher process."""
@@ -69,12 +81,7 @@ class LocalBackend(Backend):
         if len(set(assignment.nodes)) != 1:
             raise ValueError(f"the local backend runs on one node; got nodes {sorted(set(assignment.nodes))}")
         num_replicas = assignment.num_replicas
-        env = process_tree.child_environment()
-        env.update(spec.env)
-        env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
-                    "ADAPTIVE_SHARE_PATH": spec.share_dir})
-        if self.cuda:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in assignment.devices)
+        env = job_environment(spec, assignment.devices if self.cuda else None)
         os.makedirs(spec.checkpoint_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, spec.name, f"attempt-{attempt}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)

@@ -31,6 +31,7 @@ import portpicker
 from adaptive.runtime import process_tree
 from scheduler.executor.backend import Assignment, Backend, exit_status, read_tail
 from scheduler.executor.jobspec import JobSpec
+from scheduler.executor.local import job_environment
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,7 @@ class LiveLocalBackend(Backend):
 
     def _start(self, handle: LiveLocalHandle, device: int) -> None:
         spec = handle.spec
-        env = process_tree.child_environment()
-        env.update(spec.env)
-        env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
-                    "ADAPTIVE_SHARE_PATH": spec.share_dir})
-        if self.cuda:
-            env["CUDA_VISIBLE_DEVICES"] = str(device)
+        env = job_environment(spec, [device] if self.cuda else None)
         index = len(handle.log_paths)
         log_path = os.path.join(self.log_dir, spec.name, f"attempt-{handle.attempt}.node-{index}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
