@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import portpicker
@@ -61,6 +62,27 @@ def _logs(out: Path) -> str:
 
 def _wait_steps(out: Path, predicate, what: str, timeout: float = 90.0) -> list[dict]:
     return wait_for(lambda: (lambda records: records if predicate(records) else None)(_steps(out)), timeout, what)
+
+
+def _check_after_rollbacks(out: Path, epochs: int) -> None:
+    """Like :func:`_check_steps` for a job that may have rolled back to a checkpoint (a restart): a step
+    trained again counts with its newest records, which must come from one consistent set of members."""
+    newest: dict[tuple[int, int], list[dict]] = {}
+    for record in _steps(out):
+        key = (record["epoch"], record["step"])
+        group = newest.get(key, [])
+        if group and record["time"] - group[-1]["time"] > 1.0:  # trained again after a rollback
+            group = []
+        newest[key] = group + [record]
+    for (epoch, step), records in newest.items():
+        assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, (epoch, step)
+    for epoch in range(epochs):
+        seen = collections.Counter(i for (e, _), records in newest.items() if e == epoch
+                                   for r in records for i in r["indices"])
+        assert set(seen) == set(range(SAMPLES)) and sum(seen.values()) - SAMPLES < 4, epoch
+    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
+    assert sorted(last) == list(range(epochs))
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values()), last
 
 
 def _check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:
@@ -142,27 +164,20 @@ def test_a_killed_worker_is_started_again_and_the_job_resumes_exactly(jobs, tmp_
     second = _launch(jobs, out, port, "second", restarts=2, **settings)
     records = _wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 16, "both nodes to train")
     victim = next(r["pid"] for r in reversed(records) if r["rank"] == 1)
+    killed = time.time()
     os.kill(victim, signal.SIGKILL)
     assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
     assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
 
-    # A crash rolls back to the last checkpoint: the steps after it were trained twice, by the old and
-    # the new processes.  The newest record of each step is the one that counts.
-    newest: dict[tuple[int, int, int], dict] = {}
-    for record in _steps(out):
-        newest[(record["epoch"], record["step"], record["rank"])] = record
-    counted = collections.Counter(i for r in newest.values() if r["epoch"] == 1 for i in r["indices"])
-    assert set(counted) <= set(range(SAMPLES))
-    records = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
-    last = {r["epoch"]: r for r in records}
-    assert sorted(last) == [0, 1, 2] and all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values())
-    assert victim in _exits(out) or victim not in live_pids([victim])
+    # A crash rolls back to the last checkpoint: the steps after it are trained again by the new processes.
+    _check_after_rollbacks(out, epochs=3)
+    assert live_pids([victim]) == []
+    restarted = {r["pid"] for r in _steps(out) if r["time"] > killed + 1.0}
+    assert restarted and victim not in restarted, "the job did not go on with restarted workers"
 
 
 def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
     """The scheduler's decisions 1 -> 2 -> 1 replicas reach a running job as a join and a leave."""
-    import time
-
     from policy_cases import ScriptedPolicy
     from scheduler.cluster import ClusterSpec
     from scheduler.executor.executor import Executor, JobState
@@ -208,7 +223,6 @@ def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatc
     """Rank 0 admits only joiners that renewed their request lately: a joiner that died while waiting
     would otherwise hold the whole job in the new group's rendezvous."""
     import datetime
-    import time
 
     import torch.distributed as dist
 
@@ -260,20 +274,5 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
     assert live_pids([victim]) == []
 
-    # A rollback (if the kill broke a step) trains the steps since the last checkpoint again: per step,
-    # the newest records count, and they must come from one consistent set of members.
-    newest: dict[tuple[int, int], list[dict]] = {}
-    for record in _steps(out):
-        key = (record["epoch"], record["step"])
-        group = newest.get(key, [])
-        if group and record["time"] - group[-1]["time"] > 1.0:  # trained again after a rollback
-            group = []
-        newest[key] = group + [record]
-    for (epoch, step), records in newest.items():
-        assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, (epoch, step)
-    for epoch in range(3):
-        seen = collections.Counter(i for (e, _), records in newest.items() if e == epoch
-                                   for r in records for i in r["indices"])
-        assert set(seen) == set(range(SAMPLES)) and sum(seen.values()) - SAMPLES < 4, epoch
-    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
-    assert sorted(last) == [0, 1, 2] and all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values())
+    # A rollback (if the kill broke a step) trains the steps since the last checkpoint again.
+    _check_after_rollbacks(out, epochs=3)
