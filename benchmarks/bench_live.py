@@ -10,9 +10,11 @@ Adam; ``--quick``: 0.5M) on one live node, then:
    join once it is up), so *the change to the first step at the new size*
    is the planned rescale's cost: the gap in the survivor's steps;
 2. **leave**: SIGTERM to the second node; the survivor's pause;
-3. **lost worker**: SIGKILL of the second node's worker; the time from the
-   kill to the first step of the job again (live mode restarts the members
-   from the checkpoint in this case, see docs/live.md);
+3. **lost worker**: SIGKILL of the second node's worker; the survivor's
+   pause (it discards the step in flight, re-forms alone and goes back to
+   its last in-memory snapshot; the steps since the snapshot are trained
+   again, which the pause does not count) and the time until the killed
+   worker's restart trains with it again;
 4. **steady state**: the median step time with two members against plain
    DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), measured
    in the same run.
@@ -40,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from adaptive.runtime.process_tree import kill_process_tree  # noqa: E402
 
 WORKER = HERE / "workers" / "live_bench_worker.py"
-GOALS = {"survivor pause at a join": 0.3, "joiner first step from import torch": 1.0,
+GOALS = {"survivor pause at a lost worker": 0.3, "joiner first step from import torch": 1.0,
          "planned rescale (change to first step at 2)": 1.0, "survivor pause at a leave": 0.3,
          "steady state live / plain DDP": 1.02}
 
@@ -125,13 +127,16 @@ def live_trial(width: int) -> dict:
             os.kill(victim, signal.SIGKILL)
             before = {survivor, joiner, victim}
             _wait(lambda: any(pid not in before and v for pid, v in _steps(out).items()), 120,
-                  "steps after the kill")
-            resumed = min(v[0]["time"] for pid, v in _steps(out).items() if pid not in before and v)
+                  "the lost worker to be back")
+            back = min(v[0]["time"] for pid, v in _steps(out).items() if pid not in before and v)
+            mine = _steps(out)[survivor]
+            loss_pause, _ = _pause([s["time"] for s in mine], next(s["time"] for s in mine if s["time"] > killed))
             return {"survivor pause at a join": join_pause,
                     "joiner first step from import torch": joiner_first,
                     "planned rescale (change to first step at 2)": change - last_alone,
                     "survivor pause at a leave": leave_pause,
-                    "lost worker: kill to next step (restart path)": resumed - killed,
+                    "survivor pause at a lost worker": loss_pause,
+                    "lost worker: kill to its restart's first step": back - killed,
                     "step time, 2 live members": statistics.median(two)}
         except RuntimeError as error:
             return {"failed": str(error), "log": (out / "first.log").read_text(errors="replace")[-3000:]}

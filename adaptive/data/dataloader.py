@@ -53,12 +53,12 @@ import torch.utils.data
 
 from adaptive._utils.mix import mix64
 from adaptive.checkpoint import states
-from adaptive.elastic import epoch, random_state, sync_points
+from adaptive.elastic import epoch, live, random_state, sync_points
 from adaptive.observe import metrics
 from adaptive.parallel._training import trained_models
-from adaptive.runtime import env, membership
+from adaptive.runtime import env, membership, peer_failure
 from adaptive.runtime.job import current_job
-from adaptive.runtime.step import StepContext, stream
+from adaptive.runtime.step import StepContext, faulted, stream
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
 from adaptive.batchsize.rampup import BatchSizeSchedule
 from adaptive.batchsize.rampup_specs import describe
@@ -505,14 +505,21 @@ class AdaptiveDataLoader:
             while not epoch.training_finished():  # finish_training() in the loop body ends the loop
                 first = plan is None
                 if first:  # a stop that arrived between loops is acted on before the first step
-                    sync_points.settle(self._checkpoint_metadata)
+                    sync_points.settle(self._checkpoint_metadata, recoverable=True)
                 else:
                     sync_points.step_boundary(self._checkpoint_metadata)
-                    if plan is not None and plan.key[1] != membership.generation_number():
+                    if plan is not None and plan.key[1] != membership.generation_number() and not faulted():
                         # Live mode: the membership changed here. The joiners enter this loop now; the
                         # boundary is the first of the new generation, for the members that stayed too.
-                        sync_points.settle(self._checkpoint_metadata)
+                        sync_points.settle(self._checkpoint_metadata, recoverable=True)
                         first = True
+                while faulted():  # live mode: a member was lost; those left go back to the last snapshot
+                    self._recover_from_loss()
+                    first = True
+                if sync_points.snapshot_agreed() or first:  # (the flag is consumed either way)
+                    live.take_snapshot(self._where())
+                    if faulted():  # a member was lost during the snapshot: back to the boundary
+                        continue
                 self._after_boundary(first=first)
                 plan_key = (self._controller.current() if self._controller is not None else None,
                             membership.generation_number())
@@ -532,6 +539,9 @@ class AdaptiveDataLoader:
                 for micro in range(count):
                     self._publish(step, micro)
                     yield self._timing.fetch(plan.batches, last=micro == count - 1)
+                if faulted():  # live mode: a member was lost during the step; it is discarded, not committed
+                    self._end_step(None)
+                    continue
                 self._commit(step)
                 trained += 1
         except GeneratorExit:
@@ -557,6 +567,20 @@ class AdaptiveDataLoader:
             epoch.save_pending_finish()
         else:
             sync_points.final_boundary(self._checkpoint_metadata)
+
+    def _where(self) -> tuple[Any, ...]:
+        """The loop in progress (live mode: a snapshot is good for its own loop only)."""
+        return (epoch.current_epoch(), self.name, self._state.loop)
+
+    def _recover_from_loss(self) -> None:
+        """Live mode: re-form without the lost member and go back to the snapshot, or end this process."""
+        error = stream().fault
+        if not live.recover(self._where()):
+            assert error is not None
+            peer_failure.report(error)
+            raise SystemExit(1) from error
+        sync_points.forget_decisions()
+        sync_points.settle(self._checkpoint_metadata, recoverable=True)  # the first boundary of the re-formed job
 
     def _commit(self, step: PlannedStep) -> None:
         """The step's micro-batches were all trained: advance the position past it."""

@@ -29,17 +29,22 @@ live mode.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
+import os
 import time
 from typing import Any
 
 from adaptive.checkpoint import states
+from adaptive.elastic import random_state
 from adaptive.runtime import collectives, env, membership
+from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
-__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "change"]
+__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "change", "snapshot_due", "take_snapshot",
+           "recover", "snapshot_interval", "SNAPSHOT_INTERVAL_VAR"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +130,93 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
 
 def _where(metadata: dict[str, Any]) -> str:
     return f"epoch {metadata.get('epoch')}, step {metadata.get('step')}"
+
+
+# ---------------------------------------------------------------- a lost member: back to the last snapshot
+#: Environment variable: seconds between the in-memory snapshots a live job goes back to when it loses a member.
+SNAPSHOT_INTERVAL_VAR = "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL"
+#: Seconds the members that are left wait for the others to say whether they live.
+REFORM_TIMEOUT = 30.0
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """The job's states at the last snapshot point, in memory (its record on the job context)."""
+
+    where: tuple[Any, ...] | None = None  # the loop it was taken in: (epoch, loader, loop)
+    contents: dict[str, Any] = dataclasses.field(default_factory=dict)
+    taken_at: float | None = None  # monotonic
+
+
+def snapshot_interval() -> float:
+    """Seconds between snapshots (``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL``, default 2; 0 turns them off)."""
+    raw = os.environ.get(SNAPSHOT_INTERVAL_VAR) or "2"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {SNAPSHOT_INTERVAL_VAR}={raw!r} must be a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"environment variable {SNAPSHOT_INTERVAL_VAR}={raw!r} must be >= 0")
+    return value
+
+
+def snapshot_due() -> bool:
+    """On rank 0 of a live job: whether the next snapshot is due (the per-step agreement carries it)."""
+    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0:
+        return False
+    taken_at = current_job().part(_Snapshot).taken_at
+    return taken_at is None or time.monotonic() - taken_at >= snapshot_interval()
+
+
+def take_snapshot(where: tuple[Any, ...]) -> None:
+    """Copy every state in memory at an agreed boundary of loop ``where``; collective (each state's ``sync()``).
+
+    The random generators are not kept: a step trained again after a loss
+    draws new numbers, as after a rescale.
+    """
+    if not membership.is_live() or snapshot_interval() <= 0:
+        return
+    registered = states.registered_states()
+    try:
+        for state in registered:
+            state.sync()
+    except collectives.CollectiveError as error:  # a member was lost: the last snapshot stays
+        step_records.record_fault(error)
+        return
+    snapshot = current_job().part(_Snapshot)
+    snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered
+                         if state.name != random_state.NAME}
+    snapshot.where, snapshot.taken_at = where, time.monotonic()
+
+
+def recover(where: tuple[Any, ...]) -> bool:
+    """A member was lost during the step in flight: re-form without it and go back to the last snapshot.
+
+    Called on every member that is left, at the boundary after the failed
+    step (which was not committed).  Returns False when that cannot be done
+    in memory (no snapshot of this loop; this member was taken for dead):
+    the caller then ends the process and the restart path takes over.
+    """
+    snapshot = current_job().part(_Snapshot)
+    error = step_records.stream().fault
+    if snapshot.where != where or not snapshot.contents:
+        logger.error("lost a member (%s) with no snapshot of this loop to go back to; restarting from the "
+                     "checkpoint", error)
+        return False
+    started = time.perf_counter()
+    before = env.num_replicas()
+    following = membership.reform_after_loss(REFORM_TIMEOUT)
+    if following is None:
+        logger.error("the members that are left took this one for dead; restarting it")
+        return False
+    collectives.regroup(following, broken=True)
+    for state in states.registered_states():
+        if state.name in snapshot.contents:
+            state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
+    step_records.stream().fault = None
+    states.renew_generation()
+    logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to the snapshot of %.1f s ago; "
+                   "re-formed in %.3f s", type(error).__name__ if error else "?", before, env.num_replicas(),
+                   following.number, time.monotonic() - (snapshot.taken_at or time.monotonic()),
+                   time.perf_counter() - started)
+    return True

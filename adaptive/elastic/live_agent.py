@@ -115,7 +115,7 @@ class LiveAgent:
         self.restarts_left = int(args.max_restarts)
         self.host, self.port = _endpoint(args)
         self.store, self.hosting = _host_or_connect(self.host, self.port)
-        self.node = int(self.store.add("adaptive/live/agents", 1))
+        self.node = int(self.store.add(membership.AGENTS_KEY, 1))
         self._beat()
         self.status_dir = status_dir
         self.job_id = _job_id(args)
@@ -157,7 +157,7 @@ class LiveAgent:
 
     def _beat(self, done: bool = False) -> None:
         """Tell the other agents (the hosting one) that this one lives, or that it is done."""
-        self.store.set(f"adaptive/live/agent/{self.node}", "done" if done else repr(time.time()))
+        self.store.set(membership.agent_key(self.node), "done" if done else repr(time.time()))
         self.beaten = time.monotonic()
 
     def run(self) -> int:
@@ -192,6 +192,8 @@ class LiveAgent:
             logger.error("adaptive-run --live: a newer incarnation of the job took over; ending this one")
             self._kill_all()
             return launch_status.STALE_GENERATION_EXIT_CODE
+        if code not in DONE_EXIT_CODES:
+            self._say_dead(local_rank)
         if code in DONE_EXIT_CODES or self.stopping:
             return None
         if self.restarts_left <= 0:
@@ -203,6 +205,16 @@ class LiveAgent:
                        local_rank, code, self.restarts_left)
         self._start(local_rank)
         return None
+
+    def _say_dead(self, local_rank: int) -> None:
+        """Tell the job's other members that this local rank's worker died (they stop waiting for it)."""
+        store = membership.job_store(self.store, self.job_id)
+        key = membership.worker_of_key(self.node, local_rank)
+        try:
+            if store.check([key]):
+                store.set(membership.dead_key(int(store.get(key))), "1")
+        except (RuntimeError, OSError, ValueError) as error:
+            logger.debug("could not report the death of worker %d: %s", local_rank, error)
 
     def _exit_status(self) -> int:
         codes = set(self.codes.values())
@@ -233,9 +245,9 @@ class LiveAgent:
 
     def _others_alive(self) -> bool:
         """Whether another agent of the job renewed its sign of life lately."""
-        count = int(self.store.add("adaptive/live/agents", 0))
+        count = int(self.store.add(membership.AGENTS_KEY, 0))
         for node in range(1, count + 1):
-            key = f"adaptive/live/agent/{node}"
+            key = membership.agent_key(node)
             if node == self.node or not self.store.check([key]):
                 continue
             said = self.store.get(key).decode()

@@ -94,7 +94,7 @@ MAX_SPACING = 1000
 # checkpoint's sequence number and its negation (max and -min: all must be equal), rank 0's
 # generation and the newer one that fenced it (0 on the other ranks, and when not fenced), and in
 # live mode the join requests rank 0 saw and whether a member leaves.
-_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER, _JOINS, _LEAVE = range(9)
+_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER, _JOINS, _LEAVE, _SNAPSHOT = range(10)
 
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
@@ -111,6 +111,7 @@ class Agreement:
     pending: tuple[collectives.Waitable, int] | None = None  # the agreement in flight, saves done when issued
     decided: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (stop, checkpoint) to act on
     membership: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (joins, leave) agreed
+    snapshot: bool = False  # live mode: an in-memory snapshot was agreed (the loader takes it)
     spacing: int = 1  # step boundaries from one agreement to the next (agreed by all replicas)
     countdown: int = 0  # step boundaries left until the next agreement
     agreed_at: float | None = None  # when the last agreement started (monotonic)
@@ -188,7 +189,7 @@ def _local_flags() -> list[float]:
     seq = float(states.resumed_seq())
     generation, newer = _generation_flags()
     return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq,
-            generation, newer, float(live.joins_seen()), float(live.leave_requested())]
+            generation, newer, float(live.joins_seen()), float(live.leave_requested()), float(live.snapshot_due())]
 
 
 def _generation_flags() -> tuple[float, float]:
@@ -205,12 +206,18 @@ def _issue() -> tuple[Any, int]:
     return collectives.allreduce_max_async(_local_flags()), states.save_count()
 
 
-def _settle(pending: tuple[collectives.Waitable, int]) -> list[float]:
-    """Wait for an agreement and fold its decision into ``_agreement().decided``."""
+def _settle(pending: tuple[collectives.Waitable, int], recoverable: bool = False) -> list[float]:
+    """Wait for an agreement and fold its decision into ``_agreement().decided``.
+
+    A lost peer ends the process, unless ``recoverable`` in live mode: then
+    the error is raised for the loader to re-form the members.
+    """
     waitable, saves_then = pending
     try:
         agreed = waitable.result()
     except collectives.CollectiveError as error:
+        if recoverable and membership.is_live():
+            raise
         peer_failure.report(error)
         raise SystemExit(PEER_FAILED_EXIT_CODE) from error
     if agreed[_SEQ] != -agreed[_NEG_SEQ]:
@@ -226,6 +233,7 @@ def _settle(pending: tuple[collectives.Waitable, int]) -> list[float]:
     if saves_then == states.save_count():  # a flag raised before the last save is already served
         decided[1] = max(decided[1], agreed[_CHECKPOINT])
     change[0], change[1] = max(change[0], agreed[_JOINS]), max(change[1], agreed[_LEAVE])
+    _agreement().snapshot = _agreement().snapshot or agreed[_SNAPSHOT] > 0
     return agreed
 
 
@@ -306,22 +314,60 @@ def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
     At an agreement boundary, acts on the flags agreed at the previous one
     (and on any decision carried from a finished loop) and starts agreeing
     on this one's; other boundaries return at once.  ``metadata`` describes
-    the position for the checkpoint's manifest (epoch, step, ...).
+    the position for the checkpoint's manifest (epoch, step, ...).  In live
+    mode a lost peer is recorded on the step
+    (:func:`adaptive.runtime.step.record_fault`) for the loader to act on.
     """
     agreement = _agreement()
     agreement.metadata = metadata
+    if step_records.faulted():  # live mode: the group is broken; the loader re-forms the members
+        agreement.pending = None
+        return
     if agreement.countdown > 1:
         agreement.countdown -= 1
         return
-    previous, agreement.pending = agreement.pending, _issue()
-    agreement.agreed_at = time.monotonic()
-    if previous is not None:
-        agreed = _settle(previous)
-        agreement.spacing = max(1, int(-agreed[_SPACING]))
+    try:
+        previous, agreement.pending = agreement.pending, _issue()
+        agreement.agreed_at = time.monotonic()
+        if previous is not None:
+            agreed = _settle(previous, recoverable=True)
+            agreement.spacing = max(1, int(-agreed[_SPACING]))
+    except collectives.CollectiveError as error:
+        _record_loss(error)
+        return
     _act(metadata)
     agreement.countdown = agreement.spacing
     if any(agreement.membership):
         _change_membership(metadata)
+
+
+def _record_loss(error: collectives.CollectiveError) -> None:
+    """Live mode: a lost peer broke the agreement; the loader re-forms the members (elsewhere: re-raised)."""
+    if not membership.is_live():
+        raise error
+    step_records.record_fault(error)
+    _agreement().pending = None
+
+
+def forget_decisions() -> None:
+    """Live mode, after the members re-formed without a lost one: what the broken generation agreed is void.
+
+    A stop asked for on this member is asked for again at the next
+    agreement (``stop_requested`` stays), and a due checkpoint is due again.
+    """
+    agreement = _agreement()
+    agreement.pending = None
+    agreement.decided[:] = [0.0, 0.0]
+    agreement.membership[:] = [0.0, 0.0]
+    agreement.snapshot = False
+    restart_spacing()
+
+
+def snapshot_agreed() -> bool:
+    """Live mode: whether the members agreed on an in-memory snapshot at this boundary (the flag is consumed)."""
+    agreement = _agreement()
+    agreed, agreement.snapshot = agreement.snapshot, False
+    return agreed
 
 
 def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
@@ -334,8 +380,10 @@ def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
     pending, agreement.pending = agreement.pending, None
     if pending is not None:
         _settle(pending)
+        _act(metadata)  # what the old generation agreed is done by it: a joiner knows nothing of it
     joins = int(agreement.membership[0])
     agreement.membership[:] = [0.0, 0.0]
+    agreement.snapshot = False
     outcome = live.change(joins, dict(metadata()))
     restart_spacing()
     if outcome is live.Outcome.STOP:
@@ -346,18 +394,28 @@ def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
         raise SystemExit(GRACEFUL_EXIT_CODE)
 
 
-def settle(metadata: Callable[[], dict[str, Any]] | None = None) -> None:
+def settle(metadata: Callable[[], dict[str, Any]] | None = None, *, recoverable: bool = False) -> None:
     """Agree now, blocking, on every replica, and act on the result.
 
     Used where a stop must not wait: before a loop's first and last steps
     and at the end of every epoch.  ``metadata`` defaults to the position the
-    last loop described.
+    last loop described.  ``recoverable`` (the loader's boundaries): in live
+    mode a lost peer is recorded on the step instead of ending the process.
     """
     agreement = _agreement()
+    if recoverable and step_records.faulted():
+        agreement.pending = None
+        return
     previous, agreement.pending, agreement.countdown = agreement.pending, None, 0
-    if previous is not None:
-        _settle(previous)
-    _settle(_issue())
+    try:
+        if previous is not None:
+            _settle(previous, recoverable=recoverable)
+        _settle(_issue(), recoverable=recoverable)
+    except collectives.CollectiveError as error:
+        if not recoverable:
+            raise
+        _record_loss(error)
+        return
     _act(metadata or agreement.metadata)
 
 

@@ -44,7 +44,7 @@ from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
 from adaptive.elastic import sync_points
 from adaptive.runtime import env, membership
 from adaptive.runtime.job import current_job
-from adaptive.runtime.step import StepContext, current_step, stream
+from adaptive.runtime.step import StepContext, current_step, faulted, stream
 from adaptive.observe.metrics import tensorboard_prefix
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,8 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
     """
     step_lr = StepLRFactor(lambda: lr_factor_of(current_step(), scaling_rule))
     step_lr.attach_around(optimizer, lambda: scaling_rule.attach(optimizer, gns))
-    _skip_during_accumulation(optimizer, "step", is_accumulation_step, ran=_count_optimizer_step)
+    _skip_during_accumulation(optimizer, "step", lambda: is_accumulation_step() or faulted(),
+                              ran=_count_optimizer_step)
     _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
     return step_lr
 

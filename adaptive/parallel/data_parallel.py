@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.runtime import collectives, env
+from adaptive.runtime import collectives, env, membership, peer_failure
+from adaptive.runtime import step as step_records
 from adaptive.parallel import _training
 
 __all__ = ["AdaptiveDataParallel"]
@@ -99,6 +100,8 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
                 raise RuntimeError("call adaptive.init_process_group(backend) before AdaptiveDataParallel")
             collectives.init_process_group("nccl" if next(module.parameters()).is_cuda else "gloo")
         super().__init__(module, **kwargs)  # a live joiner builds it on its group of one; it rebinds when admitted
+        if membership.is_live():  # a lost peer fails the step's reduction, not the backward pass
+            self.register_comm_hook(None, _allreduce_or_record_fault)
         self._replicas = torch.distributed.get_world_size(self.process_group)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -137,6 +140,18 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         # which synchronise nothing, DDP would skip it here: the members would disagree on collectives).
         self.require_forward_param_sync = True
         self.gns.follow_group(self.process_group, self._replicas)
+        self._configured_for = None  # the noise scale is configured afresh at the next forward (steps may repeat)
+
+    def _sync_buffers(self) -> None:
+        """DDP's broadcast of the buffers before a forward; in live mode a lost peer is recorded, not raised."""
+        if step_records.faulted():
+            return
+        try:
+            super()._sync_buffers()
+        except (RuntimeError, torch.distributed.DistError) as error:
+            if not (membership.is_live() and peer_failure.is_peer_failure(error)):
+                raise
+            step_records.record_fault(error)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.
@@ -149,3 +164,37 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         """Zero the gradients, except in the middle of an accumulation."""
         if not _training.is_continuing_accumulation():
             super().zero_grad(set_to_none=set_to_none)
+
+
+def _allreduce_or_record_fault(state: object, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's averaging all-reduce of a gradient bucket (live mode), which survives a lost peer.
+
+    When the all-reduce fails (a member died), the failure is recorded on the
+    step (:func:`adaptive.runtime.step.record_fault`) and the bucket keeps
+    its local gradients: the backward pass ends normally, the optimizer step
+    is skipped and the step is discarded at the next boundary, where the
+    members that are left re-form (:func:`adaptive.elastic.live.recover`).
+    """
+    tensor = bucket.buffer()
+    if step_records.faulted():
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    group = torch.distributed.group.WORLD
+    tensor.div_(torch.distributed.get_world_size(group))
+    reduced = torch.distributed.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def finish(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return future.value()[0]
+        except Exception as error:  # the backend's error for a lost peer
+            step_records.record_fault(error)
+            return tensor
+
+    result: torch.futures.Future[torch.Tensor] = reduced.then(finish)
+    return result
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (``from __future__ import annotations``).
+_allreduce_or_record_fault.__annotations__.update(
+    {"bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor]})

@@ -144,17 +144,19 @@ def complete_admission() -> None:
     regroup(following)
 
 
-def regroup(following: membership.Generation) -> None:
-    """Leave this generation's groups and build ``following``'s, in place (live mode, on every survivor).
+def regroup(following: membership.Generation, *, broken: bool = False) -> None:
+    """Leave this generation's groups and build ``following``'s, in place (live mode, on every member that stays).
 
     Every member of the old generation must have finished its collectives on
-    the old groups (the caller agreed on the change at a step boundary).  The
-    listeners of :func:`adaptive.runtime.membership.on_regroup` are told once
-    the new groups exist.
+    the old groups (the caller agreed on the change at a step boundary),
+    unless the old group is ``broken`` (a peer was lost): then nothing more
+    is waited for on it.  The listeners of
+    :func:`adaptive.runtime.membership.on_regroup` are told once the new
+    groups exist.
     """
     groups = _groups()
     if groups.executor is not None:  # operations of the old asynchronous group: all issued, let them finish
-        groups.executor.shutdown(wait=True)
+        groups.executor.shutdown(wait=not broken)
         groups.executor = None
     backend = dist.get_backend()
     delta = datetime.timedelta(seconds=groups.timeout or env.collective_timeout())

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
            "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed", "mark_ended",
-           "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission"]
+           "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
+           "reform_after_loss", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class Generation:
 class Membership:
     """This process's place in the live job: its record on the job context (:mod:`adaptive.runtime.job`)."""
 
-    store: torch.distributed.Store | None = None
+    store: torch.distributed.Store | None = None  # the job's keys on the launchers' store
+    agents: torch.distributed.Store | None = None  # the launchers' store itself (their signs of life)
     wid: int | None = None  # this worker's id, unique in the job's store
     generation: Generation | None = None  # the generation this process is a member of
     took_state_from_peers: bool = False  # admitted into a running generation: its state comes over the group
@@ -140,7 +142,24 @@ def _connect(timeout: float) -> torch.distributed.Store:
         raise ValueError(f"environment variable {STORE_VAR}={os.environ[STORE_VAR]!r} must be host:port")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout),
                           wait_for_workers=False)
-    return dist.PrefixStore(f"adaptive/live/{env.job_id()}/", store)
+    membership().agents = store
+    return job_store(store, env.job_id())
+
+
+#: The launchers' counter of agents, which numbers their nodes (on the launchers' store, outside every job's keys).
+AGENTS_KEY = "adaptive/live-agents/count"
+
+
+def agent_key(node: int) -> str:
+    """The key (on the launchers' store) of agent ``node``'s sign of life: a time, or ``done``."""
+    return f"adaptive/live-agents/{node}"
+
+
+def job_store(store: torch.distributed.Store, job_id: str) -> torch.distributed.Store:
+    """The keys of job ``job_id`` on the launchers' ``store`` (the workers' and the launchers' view alike)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"adaptive/live/{job_id}", store)
 
 
 def _get(store: torch.distributed.Store, key: str) -> str | None:
@@ -178,6 +197,8 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
     if record.store is None:
         record.store = _connect(timeout)
         record.wid = int(record.store.add("workers", 1))
+        # so that this worker's launcher can say which worker died (worker_of_key)
+        record.store.set(worker_of_key(_int_env(NODE_VAR, 0), env.local_rank()), str(record.wid))
     store, wid = record.store, record.wid
     assert wid is not None
     me = {"wid": wid, "node": _int_env(NODE_VAR, 0), "local": env.local_rank()}
@@ -315,6 +336,59 @@ def abandon_admission(following: Generation) -> Generation:
     logger.warning("a joiner admitted into generation %d did not arrive within the admission timeout; "
                    "generation %d continues without the joiners", following.number, instead.number)
     return instead
+
+
+def worker_of_key(node: int, local_rank: int) -> str:
+    """The key (in the job's keys) that holds the worker id of a launcher's local rank."""
+    return f"worker_of/{node}/{local_rank}"
+
+
+def dead_key(wid: int) -> str:
+    """The key (in the job's keys) by which a launcher says that worker ``wid`` died."""
+    return f"dead/{wid}"
+
+
+def reform_after_loss(timeout: float, agent_stale: float = 5.0) -> Generation | None:
+    """After a lost peer: the generation of the members that are left, agreed on the store without a group.
+
+    Each member that noticed the loss says it is alive; a member is dead
+    when its launcher said so (:func:`dead_key`), when its launcher stopped
+    renewing its sign of life for ``agent_stale`` seconds (a lost node), or
+    when it said nothing within ``timeout`` seconds.  The first proposal
+    written wins.  Returns None when this process is not in it (it was
+    taken for dead).
+    """
+    record = membership()
+    assert record.store is not None and record.generation is not None and record.wid is not None
+    store, current = record.store, record.generation
+    store.set(f"gen/{current.number}/alive/{record.wid}", "1")
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [m for m in current.members if store.check([f"gen/{current.number}/alive/{m['wid']}"])]
+        undecided = [m for m in current.members if m not in alive and not _is_dead(m, agent_stale)]
+        if not undecided or time.monotonic() > deadline:
+            break
+        time.sleep(POLL)
+    proposal = Generation(current.number + 1, tuple(alive))
+    agreed = Generation.from_json(store.compare_set(f"gen/{current.number}/next", "", proposal.to_json()))
+    store.set(f"gen/{agreed.number}/members", agreed.to_json())
+    store.set(f"gen/{agreed.number}/state", _RUNNING)
+    store.set(f"gen/{current.number}/state", _CLOSED)
+    store.set("gen", str(agreed.number))
+    return agreed if agreed.rank_of(record.wid) is not None else None
+
+
+def _is_dead(member: dict[str, int], agent_stale: float) -> bool:
+    record = membership()
+    assert record.store is not None
+    if record.store.check([dead_key(member["wid"])]):
+        return True
+    agents = record.agents
+    key = agent_key(member["node"])
+    if agents is None or not agents.check([key]):
+        return False
+    said = agents.get(key).decode()
+    return said == "done" or time.time() - float(said) > agent_stale
 
 
 def pending_joins() -> int:

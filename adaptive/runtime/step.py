@@ -32,7 +32,7 @@ import dataclasses
 
 from adaptive.runtime.job import current_job
 
-__all__ = ["StepContext", "StepStream", "current_step", "loop_running", "stream"]
+__all__ = ["StepContext", "StepStream", "current_step", "loop_running", "stream", "record_fault", "faulted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,9 @@ class StepStream:
     current: StepContext | None = None  #: the micro-step being trained, inside a loader loop
     optimizer_steps: int = 0  #: optimizer steps the wrapped optimizers took (not skipped during accumulation)
     steps_committed: int = 0  #: loader steps this process trained to the end (all their micro-batches)
+    #: Live mode: a collective of the step in flight failed (a peer was lost); the step is discarded, and
+    #: until the members re-form nothing more goes over the group (:func:`record_fault`).
+    fault: BaseException | None = None
 
 
 def stream() -> StepStream:
@@ -90,3 +93,15 @@ def current_step() -> StepContext | None:
 def loop_running() -> bool:
     """Whether a loader loop is running (objects created now would not be found again by a replay)."""
     return current_job().part(StepStream).loop is not None
+
+
+def record_fault(error: BaseException) -> None:
+    """Live mode: a collective of the step in flight failed; the step will be discarded (the first error is kept)."""
+    steps = stream()
+    if steps.fault is None:
+        steps.fault = error
+
+
+def faulted() -> bool:
+    """Whether the step in flight lost a peer (live mode): skip its optimizer step and further collectives."""
+    return current_job().part(StepStream).fault is not None

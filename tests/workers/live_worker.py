@@ -13,7 +13,8 @@ Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
 the loader's step, the sample indices of its micro-batches, and a digest of
 the model and optimizer state *before* the step (every member of a step
-must hold the same).  Rank 0 appends each epoch's per-sample counts (summed
+must hold the same), and whether the step was discarded (a member was lost
+during it: it is trained again after the members re-form).  Rank 0 appends each epoch's per-sample counts (summed
 over the replicas by an Accumulator) to ``epochs.jsonl``, and at the end
 writes ``done.json``.  Each process appends its pid and exit status to
 ``exits.jsonl``.
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 import adaptive
 from adaptive.runtime import membership
+from adaptive.runtime import step as step_records
 from worker_common import StepCountingLinear, append_jsonl, state_digest, write_json
 
 OUT = os.environ["WORKER_OUT"]
@@ -43,6 +45,7 @@ LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
+logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -86,7 +89,8 @@ def main():
                 scheduler.step()
                 append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
                                    "world": dist.get_world_size(), "generation": membership.generation_number(),
-                                   "epoch": epoch, "step": loader.step, "indices": indices, "digest": digest})
+                                   "epoch": epoch, "step": loader.step, "indices": indices, "digest": digest,
+                                   "discarded": step_records.faulted()})
                 indices, digest = [], None
             time.sleep(STEP_SLEEP)
         with counts.synchronized():

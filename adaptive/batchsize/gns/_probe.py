@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from adaptive.runtime import step as step_records
 from adaptive.batchsize.gns._norms import GroupNorms
 from adaptive.batchsize.gns._precondition import Preconditioner
 from adaptive.batchsize.gns._record import StepRecord
@@ -346,8 +347,8 @@ class BackwardProbe:
                 steps = max(self._micro_steps, 1)
                 if steps > 1 and self._average_micro_steps:
                     self._divide_grads(steps)
-                if self._step_open and (self._measuring or self._storing):
-                    self._collect(steps)
+                if self._step_open and (self._measuring or self._storing) and not step_records.faulted():
+                    self._collect(steps)  # (a step that lost a peer is discarded: nothing to measure)
         except Exception:
             self._fail("end-of-backward measurement")
         finally:

@@ -70,6 +70,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from adaptive.runtime import membership, peer_failure
+from adaptive.runtime import step as step_records
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize.gns._probe import BackwardProbe
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
@@ -293,7 +295,15 @@ class GradientNoiseScale:
         record = probe.take_record() if probe is not None else None
         if probe is None or record is None:
             return
-        if not self._averages.add(record.read(), self._smoothing, self._measure_interval):
+        try:
+            measured = record.read()
+        except (RuntimeError, torch.distributed.DistError) as error:
+            if not (membership.is_live() and peer_failure.is_peer_failure(error)):
+                raise
+            step_records.record_fault(error)  # a peer was lost: the members re-form; this measurement is gone
+            probe.forget_partner()
+            return
+        if not self._averages.add(measured, self._smoothing, self._measure_interval):
             probe.forget_partner()
 
     def _totals(self, group: int | None) -> tuple[float, float] | None:
