@@ -384,7 +384,11 @@ def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
     joins = int(agreement.membership[0])
     agreement.membership[:] = [0.0, 0.0]
     agreement.snapshot = False
-    outcome = live.change(joins, dict(metadata()))
+    try:
+        outcome = live.change(joins, dict(metadata()))
+    except collectives.CollectiveError as error:  # a member (or a joiner) was lost during the change
+        _record_loss(error)
+        return
     restart_spacing()
     if outcome is live.Outcome.STOP:
         _stop(dict(metadata(), reason="stop"))

@@ -369,8 +369,13 @@ def reform_after_loss(timeout: float, agent_stale: float = 5.0) -> Generation | 
         if not undecided or time.monotonic() > deadline:
             break
         time.sleep(POLL)
-    proposal = Generation(current.number + 1, tuple(alive))
-    agreed = Generation.from_json(store.compare_set(f"gen/{current.number}/next", "", proposal.to_json()))
+    # A change may have planned the next generation already (the loss came during it): the numbers go on.
+    proposal = Generation(int(_get(store, "gen") or current.number) + 1, tuple(alive))
+    agreed = Generation.from_json(store.compare_set(f"gen/{current.number}/after_loss", "", proposal.to_json()))
+    planned = _get(store, f"gen/{current.number}/next")
+    if planned is not None and Generation.from_json(planned).number != agreed.number:
+        store.set(f"gen/{Generation.from_json(planned).number}/state", _FAILED)  # its joiners ask again
+    store.compare_set(f"gen/{current.number}/next", "", agreed.to_json())  # joiners waiting on it ask again
     store.set(f"gen/{agreed.number}/members", agreed.to_json())
     store.set(f"gen/{agreed.number}/state", _RUNNING)
     store.set(f"gen/{current.number}/state", _CLOSED)
