@@ -25,6 +25,15 @@ for the new replica count, and the batch-size controller chooses anew, as
 after a restart with another replica count.  When every member leaves at
 once, the change is a stop: the job checkpoints and exits, as without
 live mode.
+
+When a member is lost, the step in flight fails on the others; they record
+it on the step instead of raising (:func:`adaptive.runtime.step.record_fault`),
+skip its optimizer step, and at the next boundary call :func:`recover`:
+they re-form on the store without the lost member
+(:func:`adaptive.runtime.membership.reform_after_loss`) and go back to the
+last in-memory snapshot of every state (:func:`take_snapshot`, taken at
+agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
+each loop's first boundary), so the steps since then are trained again.
 """
 
 from __future__ import annotations
@@ -75,10 +84,18 @@ def leave_requested() -> bool:
 
 
 def joins_seen() -> int:
-    """On rank 0 of a live job: how many processes asked to join (0 elsewhere; one store read)."""
+    """On rank 0 of a live job: how many processes asked to join (0 elsewhere; one store read).
+
+    When the store cannot be read (its launcher is gone), training goes on
+    and no one is admitted.
+    """
     if not membership.is_live() or env.rank() != 0:
         return 0
-    return membership.pending_joins()
+    try:
+        return membership.pending_joins()
+    except (RuntimeError, OSError) as error:
+        logger.warning("cannot read the live job's store (%s); no process can join until it answers", error)
+        return 0
 
 
 def change(joins: int, metadata: dict[str, Any]) -> Outcome:

@@ -42,6 +42,14 @@ Every agreement also carries rank 0's view of the job's generation (see
 the checkpoint folder, every replica of this one stops at the same
 boundary, writes nothing, tells ``adaptive-run`` (which ends the whole
 incarnation) and exits with :data:`STALE_GENERATION_EXIT_CODE`.
+
+In live mode (``adaptive-run --live``, :mod:`adaptive.elastic.live`) the
+agreement also carries the join requests rank 0 saw, whether a member
+leaves (SIGTERM makes a member leave rather than stop the job) and whether
+an in-memory snapshot is due; a change is made at the boundary where it was
+agreed, after the old generation acted on what it had agreed.  A lost peer
+at a loader's boundary is recorded on the step instead of ending the
+process, and the loader re-forms the members that are left.
 """
 
 from __future__ import annotations

@@ -13,16 +13,24 @@ in one of two ways (:func:`join`):
   ``ADAPTIVE_LIVE_MIN`` candidates registered and either ``ADAPTIVE_LIVE_MAX``
   did or :data:`LAST_CALL` seconds passed; the members then restore from the
   checkpoint on disk, as a restart does;
-* **admission**: a generation is running.  The process posts a join request
-  and waits; the running members notice it at their next agreement boundary
+* **admission**: a generation is running.  The process builds its objects
+  first (on a group of one), then posts a join request, renewed while it
+  waits; the running members notice it at their next agreement boundary
   (:func:`pending_joins`), close their generation with the joiners added
-  (:func:`close_generation`) and hand them the training state over the new
-  group (:mod:`adaptive.checkpoint.peer_state`).
+  (:func:`close_generation`), wait for them to arrive
+  (:func:`await_arrivals`, else :func:`abandon_admission`) and hand them
+  the training state over the new group (:mod:`adaptive.checkpoint.peer_state`).
+
+After a lost member the others agree on the next generation here, without a
+process group (:func:`reform_after_loss`): each says it is alive, and a
+member is dead when its launcher said so (:func:`dead_key`), when its
+launcher's sign of life (:func:`agent_key`) grew old, or after a timeout.
 
 A generation ends as ``running`` -> ``closed`` (it became the next one),
-``failed`` (a member saw a peer die: :func:`mark_failed`), or ``ended``
-(training finished or every member stopped); a process waiting for
-admission into one that failed or ended forms the next one instead.
+``failed`` (a member saw a peer die and the restart path took over:
+:func:`mark_failed`), or ``ended`` (training finished or every member
+stopped); a process waiting for admission into one that failed or ended
+forms the next one instead.
 
 The process group of a generation is built by
 :func:`adaptive.runtime.collectives.init_process_group` (formation and
@@ -48,8 +56,8 @@ if TYPE_CHECKING:
     import torch.distributed
 
 __all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
-           "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed", "mark_ended",
-           "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
+           "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed",
+           "mark_ended", "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
            "reform_after_loss", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
 
 logger = logging.getLogger(__name__)
@@ -66,6 +74,8 @@ LAST_CALL = 1.0
 POLL = 0.01
 #: A joiner that has not said it is waiting for this many seconds is not admitted (it died while waiting).
 JOINER_STALE = 2.0
+#: A launcher whose sign of life is older than this many seconds is taken for lost, with its workers.
+AGENT_STALE = 5.0
 #: Seconds rank 0 waits for the admitted joiners to arrive before it continues without them.
 ADMISSION_TIMEOUT = 5.0
 
@@ -205,11 +215,11 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         current = int(_get(store, "gen") or 0)
-        state = _get(store, f"gen/{current}/state") if current else None
-        if state == _RUNNING and not admit_now:
+        running = current > 0 and _lives(store, current)
+        if running and not admit_now:
             record.awaiting_admission = True
             return None
-        if state == _RUNNING:
+        if running:
             joined = _admission(store, current, me, deadline)
         else:
             joined = _formation(store, current + 1, me, deadline)
@@ -279,10 +289,24 @@ def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], 
             if following.rank_of(me["wid"]) is None:
                 return None  # not admitted this time: ask the next generation
             return _arrive(store, following, me["wid"], deadline)
-        if _get(store, f"gen/{number}/state") in (_FAILED, _ENDED):
+        if not _lives(store, number):
             return None
         time.sleep(POLL)
     return None
+
+
+def _lives(store: torch.distributed.Store, number: int) -> bool:
+    """Whether generation ``number`` may still admit: not ended, and (when a member reported a loss) some
+    member is not known dead, for the others may be re-forming without the lost one."""
+    state = _get(store, f"gen/{number}/state")
+    if state in (_RUNNING, _CLOSED):
+        return True
+    if state != _FAILED:
+        return False
+    members = _get(store, f"gen/{number}/members")
+    if members is None:
+        return False
+    return not all(_is_dead(member, AGENT_STALE) for member in Generation.from_json(members).members)
 
 
 def _arrive(store: torch.distributed.Store, following: Generation, wid: int, deadline: float) -> Generation | None:
@@ -348,7 +372,7 @@ def dead_key(wid: int) -> str:
     return f"dead/{wid}"
 
 
-def reform_after_loss(timeout: float, agent_stale: float = 5.0) -> Generation | None:
+def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Generation | None:
     """After a lost peer: the generation of the members that are left, agreed on the store without a group.
 
     Each member that noticed the loss says it is alive; a member is dead
