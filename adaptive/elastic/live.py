@@ -48,7 +48,7 @@ from typing import Any
 
 from adaptive.checkpoint import states
 from adaptive.elastic import random_state
-from adaptive.runtime import collectives, env, membership
+from adaptive.runtime import collectives, env, membership, peer_failure
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
@@ -198,7 +198,8 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
         for state in registered:
             state.sync()
     except collectives.CollectiveError as error:  # a member was lost: the last snapshot stays
-        step_records.record_fault(error)
+        if not peer_failure.absorb_in_live_mode(error):
+            raise
         return
     snapshot = current_job().part(_Snapshot)
     snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered

@@ -101,7 +101,7 @@ MAX_SPACING = 1000
 # Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, the resumed
 # checkpoint's sequence number and its negation (max and -min: all must be equal), rank 0's
 # generation and the newer one that fenced it (0 on the other ranks, and when not fenced), and in
-# live mode the join requests rank 0 saw and whether a member leaves.
+# live mode the join requests rank 0 saw, whether a member leaves and whether a snapshot is due.
 _STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER, _JOINS, _LEAVE, _SNAPSHOT = range(10)
 
 
@@ -351,9 +351,8 @@ def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
 
 def _record_loss(error: collectives.CollectiveError) -> None:
     """Live mode: a lost peer broke the agreement; the loader re-forms the members (elsewhere: re-raised)."""
-    if not membership.is_live():
+    if not peer_failure.absorb_in_live_mode(error):
         raise error
-    step_records.record_fault(error)
     _agreement().pending = None
 
 

@@ -149,9 +149,8 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         try:
             super()._sync_buffers()
         except (RuntimeError, torch.distributed.DistError) as error:
-            if not (membership.is_live() and peer_failure.is_peer_failure(error)):
+            if not peer_failure.absorb_in_live_mode(error):
                 raise
-            step_records.record_fault(error)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.

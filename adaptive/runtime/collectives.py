@@ -89,13 +89,12 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         groups.timeout = seconds
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank())
-        if membership.is_live():  # adaptive-run --live: the members are whoever the live job admits
-            generation = membership.join(seconds, admit_now=False)
-            if generation is None:  # a job is running: build on a group of one until admitted (complete_admission)
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
-            else:
-                _init_generation(backend, generation, delta)
-        elif env.num_replicas() == 1 and env.master_port() is None:
+        # adaptive-run --live: the members are whoever the live job admits; a process that finds the job
+        # running builds on a group of one until it is admitted (complete_admission).
+        generation = membership.join(seconds, admit_now=False) if membership.is_live() else None
+        if generation is not None:
+            _init_generation(backend, generation, delta)
+        elif membership.is_live() or (env.num_replicas() == 1 and env.master_port() is None):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
         else:
             dist.init_process_group(backend, init_method="env://", rank=env.rank(), world_size=env.num_replicas(),

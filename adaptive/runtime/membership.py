@@ -266,10 +266,16 @@ def _close_formation(store: torch.distributed.Store, number: int, deadline: floa
     members = sorted((json.loads(store.get(f"gen/{number}/candidate/{i}")) for i in range(1, count + 1)),
                      key=lambda m: (m["node"], m["local"], m["wid"]))
     formed = Generation(number, tuple(members))
-    store.set(f"gen/{number}/members", formed.to_json())
-    store.set(f"gen/{number}/state", _RUNNING)
-    store.set("gen", str(number))
+    _publish(store, formed)
     logger.debug("formed generation %d with %d members from disk", number, len(members))
+
+
+def _publish(store: torch.distributed.Store, generation: Generation) -> None:
+    """Make ``generation`` the running one: its members, then its state, then the job's current number
+    (in that order, so that whoever reads the number finds the rest)."""
+    store.set(f"gen/{generation.number}/members", generation.to_json())
+    store.set(f"gen/{generation.number}/state", _RUNNING)
+    store.set("gen", str(generation.number))
 
 
 def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], deadline: float) -> Generation | None:
@@ -352,9 +358,7 @@ def abandon_admission(following: Generation) -> Generation:
     store = record.store
     kept = tuple(member for member in following.members if member["wid"] not in set(following.joiners))
     instead = Generation(following.number + 1, kept)
-    store.set(f"gen/{instead.number}/state", _RUNNING)
-    store.set(f"gen/{instead.number}/members", instead.to_json())
-    store.set("gen", str(instead.number))
+    _publish(store, instead)
     store.set(f"gen/{following.number}/next", instead.to_json())
     store.set(f"gen/{following.number}/state", _FAILED)
     logger.warning("a joiner admitted into generation %d did not arrive within the admission timeout; "
@@ -400,10 +404,8 @@ def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Gener
     if planned is not None and Generation.from_json(planned).number != agreed.number:
         store.set(f"gen/{Generation.from_json(planned).number}/state", _FAILED)  # its joiners ask again
     store.compare_set(f"gen/{current.number}/next", "", agreed.to_json())  # joiners waiting on it ask again
-    store.set(f"gen/{agreed.number}/members", agreed.to_json())
-    store.set(f"gen/{agreed.number}/state", _RUNNING)
+    _publish(store, agreed)
     store.set(f"gen/{current.number}/state", _CLOSED)
-    store.set("gen", str(agreed.number))
     return agreed if agreed.rank_of(record.wid) is not None else None
 
 
@@ -438,9 +440,7 @@ def close_generation(survivors: list[int], joins: int) -> Generation:
     joiners = [json.loads(store.get(f"gen/{current.number}/join/{i}")) for i in range(1, joins + 1)
                if _still_waiting(store, current.number, i)]
     following = Generation(current.number + 1, tuple(kept + joiners), tuple(m["wid"] for m in joiners))
-    store.set(f"gen/{following.number}/state", _RUNNING)
-    store.set(f"gen/{following.number}/members", following.to_json())
-    store.set("gen", str(following.number))
+    _publish(store, following)
     store.set(f"gen/{current.number}/next", following.to_json())
     store.set(f"gen/{current.number}/state", _CLOSED)
     return following

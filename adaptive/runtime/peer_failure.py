@@ -26,11 +26,11 @@ import sys
 from types import TracebackType
 from typing import Any
 
-from adaptive.runtime import env, membership
+from adaptive.runtime import env, membership, step
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import current_job
 
-__all__ = ["install", "is_peer_failure", "report"]
+__all__ = ["install", "is_peer_failure", "report", "absorb_in_live_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ def is_peer_failure(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def absorb_in_live_mode(error: BaseException) -> bool:
+    """Live mode: record a lost peer on the step in flight instead of raising; whether it was recorded.
+
+    The step is then discarded and the loader re-forms the members that are
+    left (:func:`adaptive.elastic.live.recover`).  Outside live mode, or for
+    an error that is not a lost peer, nothing is recorded and the caller
+    raises.
+    """
+    if not (membership.is_live() and is_peer_failure(error)):
+        return False
+    step.record_fault(error)
+    return True
 
 
 def _is_distributed_error(error: BaseException) -> bool:

@@ -110,10 +110,17 @@ class LocalBackend(Backend):
 
     @staticmethod
     def _signal(handle: LocalHandle, sig: signal.Signals) -> None:
-        # The launcher leads its own session (pgid == pid); its workers are in
-        # the group too, and are signalled even if the launcher already exited.
-        try:
-            os.killpg(handle.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        logger.debug("sent %s to process group %d", sig.name, handle.pid)
+        signal_group(handle.pid, sig)
+
+
+def signal_group(leader: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group a launcher leads (its own session: pgid == pid).
+
+    Its workers are in the group too, and are signalled even if the
+    launcher already exited; a group that is gone is left alone.
+    """
+    try:
+        os.killpg(leader, sig)
+    except (ProcessLookupError, PermissionError):
+        return
+    logger.debug("sent %s to process group %d", sig.name, leader)

@@ -31,7 +31,7 @@ import portpicker
 from adaptive.runtime import process_tree
 from scheduler.executor.backend import Assignment, Backend, exit_status, read_tail
 from scheduler.executor.jobspec import JobSpec
-from scheduler.executor.local import job_environment
+from scheduler.executor.local import job_environment, signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LiveLocalBackend(Backend):
             self._start(handle, device)
         while len(handle.launchers) > max(wanted, 1):
             process = handle.launchers.pop()
-            self._signal_group(process.pid, signal.SIGTERM)  # its worker leaves at its next agreed step
+            signal_group(process.pid, signal.SIGTERM)  # its worker leaves at its next agreed step
             handle.leaving.append(process)
         logger.info("resized %s live from %d to %d replicas", handle.spec.name, before, len(handle.launchers))
         return True
@@ -126,7 +126,7 @@ class LiveLocalBackend(Backend):
 
     def stop(self, handle: LiveLocalHandle) -> None:
         for process in handle.launchers:
-            self._signal_group(process.pid, signal.SIGTERM)
+            signal_group(process.pid, signal.SIGTERM)
 
     def kill(self, handle: LiveLocalHandle) -> None:
         for process in handle.launchers + handle.leaving:
@@ -134,10 +134,3 @@ class LiveLocalBackend(Backend):
 
     def log_tail(self, handle: LiveLocalHandle, lines: int = 20) -> str:
         return read_tail(handle.log_paths[0], lines)
-
-    @staticmethod
-    def _signal_group(pid: int, sig: signal.Signals) -> None:
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass

@@ -70,8 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from adaptive.runtime import membership, peer_failure
-from adaptive.runtime import step as step_records
+from adaptive.runtime import peer_failure
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize.gns._probe import BackwardProbe
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
@@ -298,10 +297,9 @@ class GradientNoiseScale:
         try:
             measured = record.read()
         except (RuntimeError, torch.distributed.DistError) as error:
-            if not (membership.is_live() and peer_failure.is_peer_failure(error)):
+            if not peer_failure.absorb_in_live_mode(error):
                 raise
-            step_records.record_fault(error)  # a peer was lost: the members re-form; this measurement is gone
-            probe.forget_partner()
+            probe.forget_partner()  # a peer was lost: the members re-form; this measurement is gone
             return
         if not self._averages.add(measured, self._smoothing, self._measure_interval):
             probe.forget_partner()
