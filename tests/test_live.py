@@ -119,7 +119,7 @@ def _check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:
 
 def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_survivor_keeps_running(jobs, tmp_path):
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_LOADER_WORKERS": "1"}
+    settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_LOADER_WORKERS": "1", "WORKER_EVAL": "1"}
     first = _launch(jobs, out, port, "first", **settings)
     records = _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
     survivor = records[0]["pid"]
@@ -143,6 +143,9 @@ def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_sur
     joined = min(r["step"] + 1000 * r["epoch"] for r in _steps(out) if r["pid"] == joiner)
     assert joined > 0, "the joiner started at the first step: it did not join a running job"
     assert live_pids([survivor, joiner]) == []
+    validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in validation] == list(range(4)), validation  # each epoch's validation loop, once
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
 
 
 def test_two_joiners_at_once_with_autoscale_and_accumulation(jobs, tmp_path):

@@ -8,6 +8,9 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
     WORKER_LOADER_WORKERS  DataLoader worker processes per rank (default 0)
     WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
+    WORKER_EVAL         "1": the usual extras of a script: rank 0 prepares the data while the others wait
+                        in a barrier, and every epoch a validation loop counts its samples in an
+                        Accumulator created in that epoch (rank 0 appends them to ``val.jsonl``)
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
@@ -43,6 +46,7 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
 LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
+EVAL = os.environ.get("WORKER_EVAL") == "1"
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
 logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
@@ -60,6 +64,10 @@ class IndexDataset(torch.utils.data.Dataset):
 
 def main():
     adaptive.init_process_group("gloo")
+    if EVAL and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 prepares the data first
+    if EVAL and dist.get_rank() == 0:
+        dist.barrier()
     model = StepCountingLinear(2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
@@ -70,6 +78,7 @@ def main():
         max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
         loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
                                     adapt_every=every)
+    val_loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, name="val") if EVAL else None
     counts = adaptive.Accumulator()
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
     indices, digest = [], None
@@ -93,6 +102,17 @@ def main():
                                    "discarded": step_records.faulted()})
                 indices, digest = [], None
             time.sleep(STEP_SLEEP)
+        if val_loader is not None:
+            val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay
+            with torch.no_grad():
+                for x, y, index in val_loader:
+                    val_counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            with val_counts.synchronized():
+                seen = val_counts["seen"]
+                if dist.get_rank() == 0:
+                    append_jsonl(os.path.join(OUT, "val.jsonl"), {
+                        "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
+                        "extra": int((seen - 1).clip(min=0).sum())})
         with counts.synchronized():
             seen = counts["seen"]
             if dist.get_rank() == 0:
