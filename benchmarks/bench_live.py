@@ -19,13 +19,31 @@ Adam; ``--quick``: 0.5M) on one live node, then:
    DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), measured
    in the same run.
 
-    python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH]
+When ``import torchft`` works (a benchmark-only option: ``pip install
+torchft``; the library never depends on it), each trial also trains the same
+model under TorchFT (``workers/torchft_bench_worker.py``): two replica groups
+of one process, each under its own ``torchrun --max-restarts=1``, TorchFT's
+Lighthouse on 127.0.0.1 (a quorum needs one group; a group that stops
+heartbeating is dead after ``TORCHFT_HEARTBEAT_TIMEOUT_MS``), its Manager,
+``DistributedDataParallel``, ``OptimizerWrapper`` and ``ProcessGroupGloo``,
+state copied from the live peer over that group on recovery (``PGTransport``);
+its Rust logs at ``warn`` (``info`` writes several lines a step).  Measured
+in the table's ``torchft`` column: the step time with both groups (and its
+ratio to the plain DDP of the same trial), the survivor's pause when the
+other group's worker is SIGKILLed, the kill to the restarted worker's first
+step in the quorum (its torchrun restarts it; it heals from the survivor), and
+the survivor's pause at that rejoin.  A survivor that crashes instead is
+reported as such.
+
+    python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH] [--no-torchft]
 
 Prints a table; writes JSON (default ``benchmarks/results/bench_live.json``).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -42,6 +60,18 @@ sys.path.insert(0, str(REPO))
 from adaptive.runtime.process_tree import kill_process_tree  # noqa: E402
 
 WORKER = HERE / "workers" / "live_bench_worker.py"
+TORCHFT_WORKER = HERE / "workers" / "torchft_bench_worker.py"
+#: how long TorchFT's Lighthouse waits for a silent replica group before it forms a quorum without it (its
+#: default is 5000 ms); a survivor cannot go on alone before that (half of the groups it knows are alive is no quorum)
+TORCHFT_HEARTBEAT_TIMEOUT_MS = 500
+#: the table's rows with a TorchFT figure: our measure -> TorchFT's comparable one
+TORCHFT_ROWS = {"survivor pause at a join": "survivor pause at the restarted group's rejoin",
+                "survivor pause at a lost worker": "survivor pause at a lost group",
+                "lost worker: kill to its restart's first step": "lost group: kill to its restart's first step",
+                "step time, 2 live members": "step time, 2 replica groups",
+                "steady state live / plain DDP": "steady state torchft / plain DDP"}
+#: TorchFT's kill-to-first-step when its survivor crashed: both groups were restarted, the state was lost
+CRASHED_BACK = "survivor crashed: kill to both groups training again"
 GOALS = {"survivor pause at a lost worker": 0.3, "joiner first step from import torch": 1.0,
          "planned rescale (change to first step at 2)": 1.0, "survivor pause at a leave": 0.3,
          "steady state live / plain DDP": 1.02}
@@ -138,8 +168,9 @@ def live_trial(width: int) -> dict:
                     "survivor pause at a lost worker": loss_pause,
                     "lost worker: kill to its restart's first step": back - killed,
                     "step time, 2 live members": statistics.median(two)}
-        except RuntimeError as error:
-            return {"failed": str(error), "log": (out / "first.log").read_text(errors="replace")[-3000:]}
+        except (RuntimeError, StopIteration) as error:  # a wait timed out, or no step of the survivor after a change
+            return {"failed": str(error) or f"{type(error).__name__}: the survivor logged no step after a change",
+                    "log": (out / "first.log").read_text(errors="replace")[-3000:]}
         finally:
             for proc in (first, second):
                 if proc is not None:
@@ -162,35 +193,164 @@ def plain_trial(width: int) -> dict:
         return {"step time, plain DDP": statistics.median([b - a for a, b in zip(times, times[1:])][20:])}
 
 
+def torchft_status() -> str | None:
+    """None when ``import torchft`` works in this interpreter, else why not (``"not installed"``, or its error)."""
+    if importlib.util.find_spec("torchft") is None:
+        return "not installed"
+    probe = subprocess.run([sys.executable, "-c", "import torchft"], capture_output=True, text=True, timeout=300)
+    return None if probe.returncode == 0 else "not importable: " + (probe.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def torchft_trial(width: int) -> dict:
+    """The same model under TorchFT: steady state with 2 replica groups, then SIGKILL of group 1's worker."""
+    import portpicker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        port = portpicker.pick_unused_port()
+        env = _environment(out, width, GLOO_SOCKET_IFNAME="lo", RUST_LOG="warn", TORCHFT_LIGHTHOUSE_PORT=str(port),
+                           TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+                           TORCHFT_HEARTBEAT_TIMEOUT_MS=str(TORCHFT_HEARTBEAT_TIMEOUT_MS))
+        procs = [_start([sys.executable, str(TORCHFT_WORKER), "lighthouse"], env, out / "lighthouse.log")]
+
+        def group(number: int) -> dict[int, list[dict]]:
+            return {pid: steps for pid, steps in _steps(out).items() if steps and steps[0]["group"] == number}
+
+        try:
+            for number in range(2):
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+                       "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={portpicker.pick_unused_port()}",
+                       str(TORCHFT_WORKER)]
+                procs.append(_start(cmd, dict(env, REPLICA_GROUP=str(number)), out / f"group{number}.log"))
+            _wait(lambda: len([s for v in group(0).values() for s in v if s["participants"] == 2]) >= 40, 120,
+                  "both TorchFT replica groups to train")
+            ((survivor, mine),) = group(0).items()
+            (victim,) = group(1)
+            both = [b["time"] - a["time"] for a, b in zip(mine, mine[1:])
+                    if a["participants"] == b["participants"] == 2]
+            result = {"step time, 2 replica groups": statistics.median(both[5:])}
+            killed = time.time()
+            os.kill(victim, signal.SIGKILL)
+            crash = out / f"error.{survivor}.txt"
+
+            def back() -> float | None:
+                """The first step that the restarted worker trains in, with the survivor, in the quorum."""
+                times = [s["time"] for pid, v in group(1).items() if pid != victim for s in v
+                         if s["participating"] and s["committed"] and s["participants"] == 2]
+                return min(times, default=None)
+
+            rejoined = _wait(back, 120, "the lost TorchFT group to be back")
+            if crash.exists():  # its torchrun restarted it too: both start again
+                lines = crash.read_text().strip().splitlines()
+                _, path, line = next(s for s in reversed(lines) if s.strip().startswith("File ")).split('"', 2)
+                site = f"{lines[-1]} at `{lines[-2].strip()}`, {'/'.join(Path(path).parts[-2:])}{line}"
+                first = min((s for pid, v in group(1).items() if pid != victim for s in v), key=lambda s: s["time"])
+                return {**result, "survivor crashed": site, CRASHED_BACK: rejoined - killed,
+                        "step at the kill": group(0)[survivor][-1]["step"],
+                        "step the restarted groups went on from": first["step"], "log": "\n".join(lines[-4:])}
+            _wait(lambda: len([s for s in group(0)[survivor] if s["time"] > rejoined]) >= 20, 60,
+                  "steps after the rejoin")
+            restarted = next(pid for pid in group(1) if pid != victim)
+            ready = float((out / f"ready.{restarted}").read_text())
+            mine = group(0)[survivor]
+            times = [s["time"] for s in mine]
+            lost, _ = _pause([t for t in times if t <= ready], next(t for t in times if t > killed))
+            rejoin, _ = _pause(times, next(s["time"] for s in mine if s["time"] > ready and s["participants"] == 2))
+            return {**result, "survivor pause at a lost group": lost,
+                    "lost group: kill to its restart's first step": rejoined - killed,
+                    "survivor pause at the restarted group's rejoin": rejoin}
+        except (RuntimeError, ValueError, StopIteration) as error:  # a wait timed out, or a group restarted early
+            return {"failed": f"{type(error).__name__}: {error}",
+                    "log": (out / "group0.log").read_text(errors="replace")[-3000:]}
+        finally:
+            for proc in procs:
+                kill_process_tree(proc.pid)
+                proc.wait()
+
+
+def _torchft_summary(trials: list[dict], plain: float | None) -> dict:
+    """Medians over the TorchFT trials that measured each figure, in how many; how many crashed or failed."""
+    good = [trial for trial in trials if "failed" not in trial]
+    keys = list(dict.fromkeys(key for trial in good for key, value in trial.items() if isinstance(value, float)))
+    median = {key: statistics.median(trial[key] for trial in good if key in trial) for key in keys}
+    measured_in = {key: sum(key in trial for trial in good) for key in keys}
+    if plain and "step time, 2 replica groups" in median:
+        median["steady state torchft / plain DDP"] = median["step time, 2 replica groups"] / plain
+        measured_in["steady state torchft / plain DDP"] = measured_in["step time, 2 replica groups"]
+    return {"version": importlib.metadata.version("torchft"), "heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
+            "trials": trials, "median": median, "measured in": measured_in,
+            "survivor crashed": sum("survivor crashed" in t for t in good), "failed": len(trials) - len(good)}
+
+
+def _torchft_cell(key: str, torchft: dict | str) -> str:
+    """The table's torchft column for our measure ``key``."""
+    if key not in TORCHFT_ROWS:
+        return ""
+    if isinstance(torchft, str):
+        return torchft
+    value = torchft["median"].get(TORCHFT_ROWS[key])
+    if value is not None:
+        measured, trials = torchft["measured in"][TORCHFT_ROWS[key]], len(torchft["trials"])
+        return f"{value:.3f}" + ("" if measured == trials else f" ({measured} of {trials})")
+    if key == "lost worker: kill to its restart's first step" and CRASHED_BACK in torchft["median"]:
+        return f"{torchft['median'][CRASHED_BACK]:.3f}*"  # the footnote below the table says what happened
+    return "survivor crashed" if torchft["survivor crashed"] else "failed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one trial, a smaller model")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--json", default=str(HERE / "results" / "bench_live.json"))
+    parser.add_argument("--no-torchft", action="store_true", help="skip the TorchFT column even if it is installed")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
     width = 512 if args.quick else 1024
-    runs = []
+    missing = "not run" if args.no_torchft else torchft_status()
+    runs, torchft_runs = [], []
     for _ in range(trials):
         runs.append({**plain_trial(width), **live_trial(width)})
+        if missing is None:
+            torchft_runs.append(torchft_trial(width))
     good = [run for run in runs if "failed" not in run]
     keys = [key for key in (good[0] if good else {}) if key != "log"]
     median = {key: statistics.median(run[key] for run in good) for key in keys}
     if good:
         median["steady state live / plain DDP"] = median["step time, 2 live members"] / median["step time, plain DDP"]
+    plain = [run["step time, plain DDP"] for run in runs if "step time, plain DDP" in run]
+    torchft = missing or _torchft_summary(torchft_runs, statistics.median(plain) if plain else None)
     params = 2 * width * width + 10 * width + 2 * width + 10
     print(f"live membership changes, 2 processes, gloo, model {params / 1e6:.1f}M params + Adam; median of "
           f"{len(good)} of {trials} trials (seconds, or a ratio)")
-    print(f"{'measure':<48}{'median':>10}{'goal':>8}")
+    if isinstance(torchft, dict):
+        print(f"torchft {torchft['version']}: 2 replica groups of 1 process, Lighthouse heartbeat timeout "
+              f"{TORCHFT_HEARTBEAT_TIMEOUT_MS} ms; median of {len(torchft_runs) - torchft['failed']} of "
+              f"{len(torchft_runs)} trials, its survivor crashed in {torchft['survivor crashed']}; a lost worker is "
+              f"a lost replica group")
+    print(f"{'measure':<48}{'median':>10}{'goal':>8}{'torchft':>18}")
     for key, value in median.items():
         goal = GOALS.get(key)
-        print(f"{key:<48}{value:>10.3f}{'' if goal is None else f'{goal:>8.2f}'}")
+        goal_cell = "" if goal is None else f"{goal:>8.2f}"
+        print(f"{key:<48}{value:>10.3f}{goal_cell:<8}{_torchft_cell(key, torchft):>18}".rstrip())
     for run in runs:
         if "failed" in run:
             print(f"failed trial: {run['failed']}\n{run.get('log', '')}")
+    if isinstance(torchft, str):
+        print(f"torchft: {torchft}" + ("; `pip install torchft` adds its figures on the same model (benchmark only)"
+                                       if torchft == "not installed" else ""))
+    crashed = [run for run in torchft_runs if "survivor crashed" in run]
+    if crashed:
+        sites = "; ".join(dict.fromkeys(run["survivor crashed"] for run in crashed))
+        went_on = ", ".join(f"{run['step the restarted groups went on from']} (at the kill: {run['step at the kill']})"
+                            for run in crashed)
+        print(f"* torchft: the survivor crashed when its peer was killed, in {len(crashed)} of {len(torchft_runs)} "
+              f"trials ({sites}); both torchruns restarted their workers, which trained on from step {went_on}")
+    for run in torchft_runs:
+        if "failed" in run:
+            print(f"failed torchft trial: {run['failed']}\n{run.get('log', '')}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"trials": runs, "median": median, "goals": GOALS, "params": params},
-                                          indent=2))
+    Path(args.json).write_text(json.dumps({"trials": runs, "median": median, "goals": GOALS, "params": params,
+                                           "torchft": torchft}, indent=2))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,25 @@ def test_sharding_mesh_validates_shard_size(job):
         sharding_mesh(1.5)
 
 
+def test_live_resharding_helpers_keep_the_layout_without_storage():
+    """The storage-free copy a live job shards anew keeps tied parameters tied; HSDP shard groups keep their
+    size where it divides the replicas, else grow (never shrink)."""
+    from adaptive.parallel._sharding import live_shard_size, meta_copy
+
+    model = _net()
+    model.head.weight = torch.nn.Parameter(torch.zeros(1, 6))
+    model.register_buffer("table", torch.arange(4.0), persistent=False)
+    model.extra.linear.weight = model.blocks[0].linear.weight  # tied
+    copy = meta_copy(model)
+    assert all(t.is_meta for t in [*copy.parameters(), *copy.buffers()])
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])  # the original is untouched
+    assert copy.extra.linear.weight is copy.blocks[0].linear.weight
+    assert [n for n, _ in copy.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [(size, replicas, live_shard_size(size, replicas)) for size, replicas in
+            [(2, 4), (2, 3), (2, 1), (4, 6), (3, 9), (1, 5)]] == \
+        [(2, 4, 2), (2, 3, 3), (2, 1, 1), (4, 6, 6), (3, 9, 3), (1, 5, 1)]
+
+
 def _train(model, optimizer, steps: int) -> None:
     generator = torch.Generator().manual_seed(5)
     for _ in range(steps):

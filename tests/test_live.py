@@ -10,137 +10,43 @@ bit), and that every sample was trained once per epoch.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import portpicker
-import pytest
 
-from elastic_harness import Jobs, live_pids, tail, wait_exit, wait_for
-
-REPO = Path(__file__).resolve().parent.parent
-LIVE_WORKER = REPO / "tests" / "workers" / "live_worker.py"
-SAMPLES, BATCH = 480, 24
-
-
-@pytest.fixture
-def jobs(tmp_path):
-    started = Jobs(tmp_path)
-    yield started
-    started.cleanup()
-
-
-def _launch(jobs: Jobs, out: Path, port: int, name: str, per_node: int = 1, restarts: int = 0, **extra: str):
-    args = ["--live", "--nnodes", "1:4", "--nproc-per-node", str(per_node), "--max-restarts", str(restarts),
-            "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    settings = {"WORKER_SAMPLES": str(SAMPLES), "WORKER_BATCH": str(BATCH), **extra}
-    return jobs.launch(args, out, f"{name}.log", script=LIVE_WORKER, **settings)
-
-
-def _steps(out: Path) -> list[dict]:
-    """Every step record of every process, oldest first."""
-    records = []
-    for path in out.glob("steps.*.jsonl"):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(records, key=lambda r: r["time"])
-
-
-def _exits(out: Path) -> dict[int, int]:
-    path = out / "exits.jsonl"
-    if not path.exists():
-        return {}
-    return {r["pid"]: r["code"] for r in map(json.loads, path.read_text().splitlines())}
-
-
-def _logs(out: Path) -> str:
-    return "\n".join(f"--- {log.name}\n{tail(log, 40)}" for log in sorted(out.rglob("*.log")))
-
-
-def _wait_steps(out: Path, predicate, what: str, timeout: float = 90.0) -> list[dict]:
-    return wait_for(lambda: (lambda records: records if predicate(records) else None)(_steps(out)), timeout, what)
-
-
-def _check_after_rollbacks(out: Path, epochs: int) -> None:
-    """Like :func:`_check_steps` for a job that went back to a snapshot or a checkpoint after a loss: a step
-    trained again counts with the records of its newest generation, which must be one consistent set of
-    members from one state."""
-    newest: dict[tuple[int, int], list[dict]] = {}
-    for record in _steps(out):
-        if record["discarded"]:  # a member was lost during it: trained again after the re-forming
-            continue
-        key = (record["epoch"], record["step"])
-        group = newest.get(key, [])
-        if group and record["generation"] > group[0]["generation"]:
-            group = []
-        if not group or record["generation"] == group[0]["generation"]:
-            newest[key] = group + [record]
-    for (epoch, step), records in newest.items():
-        assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, \
-            f"epoch {epoch} step {step}: {[(r['pid'], r['generation'], r['world']) for r in records]}"
-    for epoch in range(epochs):
-        seen = collections.Counter(i for (e, _), records in newest.items() if e == epoch
-                                   for r in records for i in r["indices"])
-        assert set(seen) == set(range(SAMPLES)) and sum(seen.values()) - SAMPLES < 4, epoch
-    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
-    assert sorted(last) == list(range(epochs))
-    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values()), last
-
-
-def _check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:
-    """Every step was trained by exactly its world's members from one state, and each epoch saw every
-    sample once; returns the records by (epoch, step)."""
-    by_step: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
-    for record in _steps(out):
-        by_step[(record["epoch"], record["step"])].append(record)
-    for (epoch, step), records in by_step.items():
-        worlds = {r["world"] for r in records}
-        assert len(worlds) == 1 and len(records) == worlds.pop(), \
-            f"epoch {epoch} step {step} was trained by {[(r['pid'], r['rank'], r['world']) for r in records]}"
-        assert sorted(r["rank"] for r in records) == list(range(len(records)))
-        assert len({r["digest"] for r in records}) == 1, \
-            f"the members of epoch {epoch} step {step} held different states: {[r['pid'] for r in records]}"
-    for epoch in range(epochs):
-        seen = collections.Counter(i for (e, _), records in by_step.items() if e == epoch
-                                   for r in records for i in r["indices"])
-        assert set(seen) == set(range(SAMPLES)), f"epoch {epoch} missed {sorted(set(range(SAMPLES)) - set(seen))}"
-        repeated = sum(count - 1 for count in seen.values())
-        assert repeated < 4, f"epoch {epoch} repeated {repeated} samples"
-    records = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == list(range(epochs))
-    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in records), records
-    done = json.loads((out / "done.json").read_text())
-    assert done["model_steps"] == done["step"] == len(by_step), done
-    return by_step
+from elastic_harness import live_pids, wait_exit, wait_for
+from live_harness import BATCH, LIVE_WORKER, REPO, SAMPLES, check_after_rollbacks, check_steps, exits, launch, logs
+from live_harness import steps, wait_steps
+from live_harness import jobs  # noqa: F401  (the fixture)
 
 
 def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_survivor_keeps_running(jobs, tmp_path):
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_LOADER_WORKERS": "1", "WORKER_EVAL": "1"}
-    first = _launch(jobs, out, port, "first", **settings)
-    records = _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    first = launch(jobs, out, port, "first", **settings)
+    records = wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
     survivor = records[0]["pid"]
-    second = _launch(jobs, out, port, "second", **settings)
-    records = _wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 12, "the joiner to train")
+    second = launch(jobs, out, port, "second", **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 12, "the joiner to train")
     joiner = next(r["pid"] for r in records if r["pid"] != survivor)
     second.send_signal(signal.SIGTERM)
-    assert wait_exit(second, 60, out / "second.log") == 143, _logs(out)
-    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
 
-    by_step = _check_steps(out, epochs=4)
-    pids = [r["pid"] for r in _steps(out)]
-    assert set(pids) == {survivor, joiner}, f"a worker was restarted: {set(pids)}\n{_logs(out)}"
-    assert _exits(out) == {survivor: 0, joiner: 143}
+    by_step = check_steps(out, epochs=4)
+    pids = [r["pid"] for r in steps(out)]
+    assert set(pids) == {survivor, joiner}, f"a worker was restarted: {set(pids)}\n{logs(out)}"
+    assert exits(out) == {survivor: 0, joiner: 143}
     worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
     assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1, worlds
     changes = [i for i in range(1, len(worlds)) if worlds[i] != worlds[i - 1]]
     assert len(changes) == 2, worlds  # one join, one leave, nothing else
-    generations = sorted({r["generation"] for r in _steps(out)})
+    generations = sorted({r["generation"] for r in steps(out)})
     assert generations == [1, 2, 3]
-    joined = min(r["step"] + 1000 * r["epoch"] for r in _steps(out) if r["pid"] == joiner)
+    joined = min(r["step"] + 1000 * r["epoch"] for r in steps(out) if r["pid"] == joiner)
     assert joined > 0, "the joiner started at the first step: it did not join a running job"
     assert live_pids([survivor, joiner]) == []
     validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
@@ -151,18 +57,18 @@ def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_sur
 def test_two_joiners_at_once_with_autoscale_and_accumulation(jobs, tmp_path):
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "WORKER_AUTOSCALE": "48,4,16,1,3"}
-    first = _launch(jobs, out, port, "first", **settings)
-    records = _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    first = launch(jobs, out, port, "first", **settings)
+    records = wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
     survivor = records[0]["pid"]
-    second = _launch(jobs, out, port, "second", per_node=2, **settings)
-    assert wait_exit(second, 120, out / "second.log") == 0, _logs(out)
-    assert wait_exit(first, 60, out / "first.log") == 0, _logs(out)
+    second = launch(jobs, out, port, "second", per_node=2, **settings)
+    assert wait_exit(second, 120, out / "second.log") == 0, logs(out)
+    assert wait_exit(first, 60, out / "first.log") == 0, logs(out)
 
-    by_step = _check_steps(out, epochs=3)
+    by_step = check_steps(out, epochs=3)
     worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
     assert worlds[0] == 1 and worlds[-1] == 3 and set(worlds) == {1, 3}, worlds  # both joined at one boundary
-    pids = {r["pid"] for r in _steps(out)}
-    assert len(pids) == 3 and survivor in pids and set(_exits(out).values()) == {0}
+    pids = {r["pid"] for r in steps(out)}
+    assert len(pids) == 3 and survivor in pids and set(exits(out).values()) == {0}
 
 
 def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jobs, tmp_path):
@@ -172,22 +78,22 @@ def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jo
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5",
                 "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
-    first = _launch(jobs, out, port, "first", restarts=2, **settings)
-    second = _launch(jobs, out, port, "second", restarts=2, **settings)
-    records = _wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 16, "both nodes to train")
+    first = launch(jobs, out, port, "first", restarts=2, **settings)
+    second = launch(jobs, out, port, "second", restarts=2, **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 16, "both nodes to train")
     victim = next(r["pid"] for r in reversed(records) if r["rank"] == 1)
     survivor = next(r["pid"] for r in reversed(records) if r["rank"] == 0)
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
-    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
-    assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
 
-    _check_after_rollbacks(out, epochs=3)
+    check_after_rollbacks(out, epochs=3)
     assert live_pids([victim]) == []
-    after = [r for r in _steps(out) if r["time"] > killed]
+    after = [r for r in steps(out) if r["time"] > killed]
     assert any(r["pid"] == survivor and r["world"] == 1 for r in after), "the survivor did not train alone"
     assert any(r["pid"] not in (survivor, victim) and r["world"] == 2 for r in after), "no worker rejoined"
-    assert _exits(out)[survivor] == 0, "the survivor was restarted"
+    assert exits(out)[survivor] == 0, "the survivor was restarted"
 
 
 def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
@@ -213,9 +119,9 @@ def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
     phase = "alone"
     try:
         while not ex.done:
-            assert time.monotonic() < deadline, f"the job did not finish: {ex.status()}\n{_logs(tmp_path / 'logs')}"
+            assert time.monotonic() < deadline, f"the job did not finish: {ex.status()}\n{logs(tmp_path / 'logs')}"
             ex.step()
-            records = _steps(out)
+            records = steps(out)
             if phase == "alone" and len(records) >= 8:
                 replicas["n"], phase = 2, "growing"
             elif phase == "growing" and sum(r["world"] == 2 for r in records) >= 16:
@@ -225,12 +131,12 @@ def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
         ex.shutdown(timeout=30)
     (status,) = ex.status()
     assert status["state"] == "succeeded" and status["launches"] == 1, status
-    by_step = _check_steps(out, epochs=4)
+    by_step = check_steps(out, epochs=4)
     worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
     assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1, worlds
-    first = _steps(out)[0]["pid"]
-    assert all(r["pid"] == first for r in _steps(out) if r["rank"] == 0), "the first worker was restarted"
-    assert sorted(_exits(out).values()) == [0, 143]
+    first = steps(out)[0]["pid"]
+    assert all(r["pid"] == first for r in steps(out) if r["rank"] == 0), "the first worker was restarted"
+    assert sorted(exits(out).values()) == [0, 143]
 
 
 def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatch):
@@ -276,17 +182,17 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
                 "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
-    first = _launch(jobs, out, port, "first", restarts=2, **settings)
-    _wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
-    second = _launch(jobs, out, port, "second", restarts=2, **settings)
+    first = launch(jobs, out, port, "first", restarts=2, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    second = launch(jobs, out, port, "second", restarts=2, **settings)
     wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
              "the joiner to ask to join")
     (victim,) = [child.pid for child in psutil.Process(second.pid).children() if "live_worker" in " ".join(
         child.cmdline())]
     os.kill(victim, signal.SIGKILL)
-    assert wait_exit(first, 120, out / "first.log") == 0, _logs(out)
-    assert wait_exit(second, 60, out / "second.log") == 0, _logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
     assert live_pids([victim]) == []
 
     # A rollback (if the kill broke a step) trains the steps since the last checkpoint again.
-    _check_after_rollbacks(out, epochs=3)
+    check_after_rollbacks(out, epochs=3)

@@ -4,11 +4,15 @@ When a live generation admits new members (see
 :mod:`adaptive.runtime.membership`), the joiners do not read the checkpoint
 on disk: the new rank 0, a member that kept running, serialises every
 registered state exactly as a checkpoint would hold it (after each state's
-``sync()``, which the old generation ran) and broadcasts it on the control
-group; each joiner keeps it as a :class:`PeerCheckpoint`, which its states
+``sync()``, which the old generation ran) and sends it to each joiner on
+the control group (the other members take no part); each joiner keeps it as a :class:`PeerCheckpoint`, which its states
 restore from as they are created, the way they restore from a checkpoint
 after a restart (:func:`adaptive.checkpoint.states.load_state`).  The bytes
 are loaded weights-only, like a file (guarantee G4).
+
+A sharded state (FSDP2) sends only its small part this way; its shards are
+then read through :meth:`PeerCheckpoint.read_sharded`, which rank 0 fills
+from its full copy (:mod:`adaptive.checkpoint.peer_shards`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adaptive.checkpoint import _safe_load
+from adaptive.checkpoint import _safe_load, peer_shards
 from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo
-from adaptive.runtime import collectives
+from adaptive.runtime import collectives, membership
 
 __all__ = ["PeerCheckpoint", "send_states", "pass_states", "receive_states"]
 
@@ -35,11 +39,12 @@ FROM_PEERS = Path("<peers>")
 
 
 class PeerCheckpoint(Checkpoint):
-    """The states rank 0 sent, in memory, read like a checkpoint (no sharded part)."""
+    """The states rank 0 sent, in memory, read like a checkpoint; sharded parts are scattered by rank 0."""
 
-    def __init__(self, info: CheckpointInfo, contents: dict[str, Any]) -> None:
+    def __init__(self, info: CheckpointInfo, contents: dict[str, Any], sharded: list[str] | None = None) -> None:
         super().__init__(info, ())
         self._contents = contents
+        self._sent_sharded = list(sharded or [])
 
     def __repr__(self) -> str:
         return f"PeerCheckpoint(seq={self.info.seq}, states={len(self._contents)})"
@@ -57,51 +62,85 @@ class PeerCheckpoint(Checkpoint):
         return self._contents[name]
 
     def sharded_names(self) -> list[str]:
-        return []
+        return list(self._sent_sharded)
 
     def read_sharded(self, name: str, target: Any) -> Any:
-        raise CheckpointError(f"state {name!r} has a sharded part, which is not sent between peers")
+        """``target`` filled from rank 0's full copy; collective: the members reshard the same state meanwhile."""
+        if name not in self._sent_sharded:
+            raise CheckpointError(f"state {name!r} has no sharded part among those the running members send")
+        return peer_shards.fill_from_rank0(target, None)
 
 
-def send_states(contents: dict[str, Any], seq: int, metadata: dict[str, Any]) -> int:
-    """On the new rank 0: broadcast ``contents`` (state name -> state dict) to the joiners; the bytes sent.
+def send_states(contents: dict[str, Any], seq: int, metadata: dict[str, Any], sharded: list[str] | None = None) -> int:
+    """On the new rank 0: send ``contents`` (state name -> state dict) to the joiners; the bytes sent.
 
-    Collective on the control group: every member calls :func:`send_states`
-    (the survivors; only rank 0's arguments are used) or
-    :func:`receive_states` (the joiners).
+    ``sharded`` names the states whose sharded part the members reshard
+    right after (the joiners read it through :meth:`PeerCheckpoint.read_sharded`).
+
+    Rank 0 calls it, each joiner :func:`receive_states` and the other
+    members :func:`pass_states`, on the control group.
     """
     buffer = io.BytesIO()
-    torch.save({"seq": seq, "metadata": metadata, "states": contents}, buffer)
+    torch.save({"seq": seq, "metadata": metadata, "states": contents, "sharded": list(sharded or [])}, buffer)
     data = buffer.getbuffer()
-    _broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8))
+    _transfer(torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8))
     return len(data)
 
 
 def pass_states() -> None:
-    """On a survivor that is not rank 0: take part in the broadcast and drop what arrives."""
-    _broadcast(None)
+    """On a survivor that is not rank 0: nothing to do, rank 0 sends to the joiners only (see :func:`_transfer`)."""
 
 
 def receive_states() -> PeerCheckpoint:
-    """On a joiner: the states rank 0 broadcast, as a checkpoint to restore from."""
+    """On a joiner: the states rank 0 sent, as a checkpoint to restore from."""
     started = time.perf_counter()
-    tensor = _broadcast(None)
+    tensor = _transfer(None)
     payload = _safe_load.load_item(io.BytesIO(tensor.numpy().tobytes()), "the state sent by the running members")
     info = CheckpointInfo(seq=int(payload["seq"]), path=FROM_PEERS, created=time.time(),
                           metadata=dict(payload["metadata"]), size=int(tensor.numel()))
     logger.info("received the training state from the running members: %d states, %.1f MB in %.3f s",
                 len(payload["states"]), tensor.numel() / 1e6, time.perf_counter() - started)
-    return PeerCheckpoint(info, dict(payload["states"]))
+    return PeerCheckpoint(info, dict(payload["states"]), list(payload.get("sharded", [])))
 
 
-def _broadcast(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Rank 0's ``tensor`` (uint8) on every member of the control group."""
+def _transfer(tensor: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's ``tensor`` (uint8) on each joiner, sent point to point over the control group.
+
+    The other members take no part, and rank 0 posts its sends to every
+    joiner before it waits for any: a loss during the hand-over (a joiner,
+    rank 0, another member) must leave no one waiting here for a peer that
+    gave the hand-over up, for that peer does not close its connections
+    until the members that are left re-formed (which needs everyone there).
+    """
     group = collectives.control_group()
-    size = torch.tensor([-1 if tensor is None else tensor.numel()], dtype=torch.int64)
-    try:
-        dist.broadcast(size, src=0, group=group)
-        out = tensor if tensor is not None else torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(out, src=0, group=group)
-    except (RuntimeError, dist.DistError) as error:
-        raise collectives.CollectiveError(f"handing the training state to the joiners failed: {error}") from error
+    failures: list[BaseException] = []
+    if tensor is not None:
+        generation = membership.membership().generation
+        assert generation is not None, "the hand-over runs in a live generation"
+        joiners = [generation.rank_of(wid) for wid in generation.joiners]
+        for payload in (torch.tensor([tensor.numel()], dtype=torch.int64), tensor):
+            works = []
+            for rank in joiners:
+                try:
+                    works.append(dist.isend(payload, dst=rank, group=group))
+                except (RuntimeError, dist.DistError) as error:
+                    failures.append(error)
+            for work in works:
+                try:
+                    if work is not None:  # isend returns None to a rank outside the group (never here)
+                        work.wait()
+                except (RuntimeError, dist.DistError) as error:
+                    failures.append(error)
+        out = tensor
+    else:
+        try:
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, src=0, group=group)
+            out = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(out, src=0, group=group)
+        except (RuntimeError, dist.DistError) as error:
+            failures.append(error)
+    if failures:
+        raise collectives.CollectiveError(f"handing the training state to the joiners failed: {failures[0]}") \
+            from failures[0]
     return out

@@ -206,6 +206,23 @@ class ShardedState(State):
         """Restore the sharded part: ``read(target)`` fills ``target`` from the checkpoint and returns it."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_sharded_state_dict()")
 
+    def gather_for_peers(self, dst: int) -> Any:
+        """Live membership change, on the old group: the sharded part whole, on rank ``dst`` only.
+
+        Every member calls it (leavers too: they hold shards); see
+        :func:`adaptive.checkpoint.peer_shards.gather_full`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot move between live generations in memory")
+
+    def reshard_for_peers(self, gathered: Any) -> None:
+        """Live membership change, on the new group: shard anew for the new members, from rank 0's ``gathered``.
+
+        Called on the members that stay, after the joiners received the
+        small states; each joiner restores the same state through
+        :meth:`load_sharded_state_dict`, whose ``read`` then fills from rank 0.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot move between live generations in memory")
+
 
 def epoch_scope() -> int | None:
     """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
@@ -489,8 +506,27 @@ def share_with_joiners(metadata: dict[str, Any]) -> None:
         return
     states = registered_states()
     sent = peer_state.send_states({state.name: state.state_dict() for state in states}, resumed_seq(),
-                                  _manifest_info(states, metadata))
+                                  _manifest_info(states, metadata), [state.name for state in sharded_states()])
     logger.debug("sent %d states (%.1f MB) to the joiners", len(states), sent / 1e6)
+
+
+def sharded_states() -> list[ShardedState]:
+    """The registered states with a sharded part, in registration order (the order of their collectives)."""
+    return [state for state in registered_states() if isinstance(state, ShardedState)]
+
+
+def gather_sharded_states(dst: int) -> dict[str, Any]:
+    """At a live change, on the old group: every sharded state whole on rank ``dst`` (the next rank 0).
+
+    Returns ``{name: gathered}`` (the values are None except on ``dst``).
+    """
+    return {state.name: state.gather_for_peers(dst) for state in sharded_states()}
+
+
+def reshard_sharded_states(gathered: dict[str, Any]) -> None:
+    """At a live change, on the new group: every sharded state resharded for the new members from rank 0's copy."""
+    for state in sharded_states():
+        state.reshard_for_peers(gathered.get(state.name))
 
 
 def renew_generation() -> None:

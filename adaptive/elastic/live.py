@@ -18,7 +18,10 @@ At the boundary where the change was agreed every member calls
    (:func:`adaptive.runtime.collectives.regroup`); the new rank 0 takes a
    new generation of the checkpoint folder (guarantee G6);
 5. hands the joiners the whole training state over the new group
-   (:func:`adaptive.checkpoint.states.share_with_joiners`).
+   (:func:`adaptive.checkpoint.states.share_with_joiners`).  A sharded
+   model (FSDP2, HSDP) was gathered whole on the next rank 0 before the
+   regroup and is sharded anew for the new members from that copy
+   (:mod:`adaptive.checkpoint.peer_shards`).
 
 The loader then re-plans the rest of the epoch from the committed position
 for the new replica count, and the batch-size controller chooses anew, as
@@ -34,6 +37,8 @@ they re-form on the store without the lost member
 last in-memory snapshot of every state (:func:`take_snapshot`, taken at
 agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
 each loop's first boundary), so the steps since then are trained again.
+A job with a sharded model takes no snapshots: the lost member's shards
+exist only in the checkpoint, so a loss restarts every member from it.
 """
 
 from __future__ import annotations
@@ -124,11 +129,14 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
     following = collectives.broadcast_object(following)
     assert following is not None
     before = env.num_replicas()
+    old_order = [wid for wid, _ in leaving]
+    same = [m["wid"] for m in following.members] == old_order
+    # Sharded states (FSDP2) are gathered whole on the next rank 0 while the old group, leavers included, holds them.
+    gathered = {} if same else states.gather_sharded_states(old_order.index(following.members[0]["wid"]))
     if leave_requested():
         logger.info("left the live job at %s; generation %d continues with %d members", _where(metadata),
                     following.number, len(following.members))
         return Outcome.LEAVE
-    same = [m["wid"] for m in following.members] == [wid for wid, _ in leaving]
     if same:  # nobody left or joined (an admission was abandoned): the groups stay, the generation moves on
         membership.enter(following)
     else:
@@ -137,6 +145,8 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
     regrouped = time.perf_counter()
     if following.joiners:
         states.share_with_joiners(dict(metadata, live_generation=following.number))
+    if not same:
+        states.reshard_sharded_states(gathered)
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "live membership change at %s: %d -> %d replicas (%d joined, %d left), generation %d; "
                "regrouped in %.3f s, state handed over in %.3f s", _where(metadata), before, env.num_replicas(),
@@ -179,7 +189,7 @@ def snapshot_interval() -> float:
 
 def snapshot_due() -> bool:
     """On rank 0 of a live job: whether the next snapshot is due (the per-step agreement carries it)."""
-    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0:
+    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0 or states.sharded_states():
         return False
     taken_at = current_job().part(_Snapshot).taken_at
     return taken_at is None or time.monotonic() - taken_at >= snapshot_interval()
@@ -191,7 +201,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     The random generators are not kept: a step trained again after a loss
     draws new numbers, as after a rescale.
     """
-    if not membership.is_live() or snapshot_interval() <= 0:
+    if not membership.is_live() or snapshot_interval() <= 0 or states.sharded_states():
         return
     registered = states.registered_states()
     try:
@@ -217,6 +227,10 @@ def recover(where: tuple[Any, ...]) -> bool:
     """
     snapshot = current_job().part(_Snapshot)
     error = step_records.stream().fault
+    if states.sharded_states():
+        logger.error("lost a member (%s): its shards of the sharded model exist only in the checkpoint, so every "
+                     "member restarts from it", error)
+        return False
     if snapshot.where != where or not snapshot.contents:
         logger.error("lost a member (%s) with no snapshot of this loop to go back to; restarting from the "
                      "checkpoint", error)

@@ -33,6 +33,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import signal
 import subprocess
 import sys
@@ -89,16 +90,35 @@ def _job_id(args: Namespace) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", stem or "default")
 
 
+def _is_this_machine(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (one a socket here can bind to)."""
+    try:
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def _host_or_connect(host: str, port: int) -> tuple[Any, bool]:
-    """The job's TCPStore: hosted here when the endpoint is free, else the one another agent hosts."""
+    """The job's TCPStore: hosted here when the endpoint is this machine's and free, else the one another agent
+    hosts (an agent on another machine never hosts: its own free port is not the endpoint)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=60)
-    try:
-        return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False), True
-    except (RuntimeError, dist.DistNetworkError) as error:
-        if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
-            raise
+    if _is_this_machine(host):
+        try:
+            return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False), True
+        except (RuntimeError, dist.DistNetworkError) as error:
+            if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
+                raise
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False), False
 
 

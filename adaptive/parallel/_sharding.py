@@ -12,22 +12,32 @@
 * :func:`rebind_optimizer` points an optimizer built on the unsharded model
   at the sharded parameters that replaced them (matched by name), so the
   ordinary "model, optimizer, wrap" order of DDP scripts works unchanged.
+* In live mode (``adaptive-run --live``) the model is sharded again at each
+  membership change: :func:`meta_copy` keeps a storage-free copy of the
+  unsharded model to shard anew, :func:`sharding_mesh_like` gives the mesh
+  for the new replica count and :func:`move_optimizer` carries the
+  optimizer over to the new parameters.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from adaptive._utils.checks import check_int
-from adaptive.runtime import env
+from adaptive.checkpoint import states
+from adaptive.runtime import env, membership
 
-__all__ = ["sharding_mesh", "apply_fully_shard", "check_rebindable", "rebind_optimizer", "parameter_names",
-           "is_fully_sharded", "module_mesh", "ShardPolicy", "FSDP_OPTIONS"]
+__all__ = ["sharding_mesh", "sharding_mesh_like", "live_shard_size", "apply_fully_shard", "check_rebindable", "rebind_optimizer",
+           "parameter_names", "is_fully_sharded", "module_mesh", "meta_copy", "move_optimizer", "ShardPolicy",
+           "FSDP_OPTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +61,19 @@ def sharding_mesh(shard_size: int | str | None = None, *, device_type: str | Non
         shard_size: ``None`` (default): one dimension, every replica holds
             one shard of every parameter (FSDP).  An int: a 2-D mesh
             ``(replicate, shard)`` whose shard groups have that many
-            replicas (HSDP); it must divide the number of replicas.
+            replicas (HSDP); it must divide the number of replicas (in
+            live mode, where a generation may have any size, a size that
+            does not divide them grows to the smallest one that does).
             ``"node"``: the replicas of one node (``LOCAL_WORLD_SIZE``).
         device_type: ``"cuda"`` or ``"cpu"``; default from the process
             group's backend.
 
     Call after ``adaptive.init_process_group``; collective (every replica).
+    In live mode a process that joins a running job is admitted first, so
+    the mesh spans the generation it joins.
     """
+    if membership.is_live():
+        states.resumed_checkpoint()  # a joiner is admitted here: the mesh is built for its generation
     replicas = env.num_replicas()
     kind = _device_type(device_type)
     if shard_size is None:
@@ -65,10 +81,36 @@ def sharding_mesh(shard_size: int | str | None = None, *, device_type: str | Non
     if shard_size == "node":
         shard_size = env.num_local_replicas()
     shard_size = check_int("shard_size", shard_size, 1, hint=" (replicas per shard group, or 'node', or None)")
+    if membership.is_live():  # a generation may have any size: shard as its members reshard for it
+        return _hsdp_mesh(kind, shard_size, replicas)
     if replicas % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide the number of replicas ({replicas}); "
                          "use shard_size=None for one shard group over all replicas")
     return init_device_mesh(kind, (replicas // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def sharding_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh of ``mesh``'s kind for the current replicas (after a live membership change).
+
+    1-D: one shard group over all replicas.  2-D (HSDP): shard groups of
+    ``mesh``'s size where that divides the replicas; otherwise the smallest
+    size above it that does (at most every replica in one group), so that
+    no replica holds more than it did.  Collective.
+    """
+    kind = mesh.device_type
+    replicas = env.num_replicas()
+    if mesh.ndim == 1:
+        return init_device_mesh(kind, (replicas,), mesh_dim_names=("shard",))
+    return _hsdp_mesh(kind, mesh.shape[1], replicas)
+
+
+def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
+    """A 2-D mesh over ``replicas`` with shard groups of :func:`live_shard_size` ``(wanted, replicas)``."""
+    size = live_shard_size(wanted, replicas)
+    if size != wanted:
+        logger.warning("HSDP shard groups of %d replicas do not divide the %d replicas now; sharding in groups of "
+                       "%d until they do", wanted, replicas, size)
+    return init_device_mesh(kind, (replicas // size, size), mesh_dim_names=("replicate", "shard"))
 
 
 def _policy(shard: ShardPolicy, module: torch.nn.Module) -> Callable[[str, torch.nn.Module], bool]:
@@ -86,6 +128,12 @@ def _policy(shard: ShardPolicy, module: torch.nn.Module) -> Callable[[str, torch
         return shard
     raise ValueError(f"shard must be 'blocks', 'root', a module class (or a tuple of them) or a callable "
                      f"(name, module) -> bool, got {shard!r}")
+
+
+def live_shard_size(wanted: int, replicas: int) -> int:
+    """The HSDP shard-group size for ``replicas`` after a live change: ``wanted`` if it divides them, else the
+    smallest size above it that does (``replicas`` at most); never more replicas' worth of state per rank."""
+    return next(size for size in range(min(wanted, replicas), replicas + 1) if replicas % size == 0)
 
 
 def apply_fully_shard(module: torch.nn.Module, mesh: DeviceMesh, shard: ShardPolicy,
@@ -119,6 +167,37 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
     sharded = dict(module.named_parameters(remove_duplicate=False))
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+
+
+def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device (no storage, nothing copied).
+
+    Shared and tied parameters stay shared in the copy.
+    """
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def move_optimizer(optimizer: torch.optim.Optimizer, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Point ``optimizer`` at ``new``'s parameters, which replace ``old``'s of the same names.
+
+    Its per-parameter state moves to the new parameters with the new
+    sharding and zeros in place of the sharded values (they are filled from
+    the full copy right after); plain values (the step count) are kept.
+    """
+    names = parameter_names(old)
+    rebind_optimizer(optimizer, names, new)
+    params = dict(new.named_parameters(remove_duplicate=False))
+    moved: collections.defaultdict[Any, dict[str, Any]] = collections.defaultdict(dict)
+    for param, entry in optimizer.state.items():
+        target = params[names[id(param)]]
+        moved[target] = {key: torch.zeros_like(target, dtype=value.dtype) if isinstance(value, DTensor) else value
+                         for key, value in entry.items()}
+    optimizer.state = moved
 
 
 def is_fully_sharded(module: torch.nn.Module) -> bool:

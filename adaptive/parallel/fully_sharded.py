@@ -36,12 +36,22 @@ What it does, on top of ``fully_shard``:
   :mod:`adaptive.batchsize.gns._sharded`), and the LR scaling rule
   (``model.scaling_rule``), so the loader's adaptive batch sizes, token
   budgets and ramp-up work as with DDP.
+* **Live membership changes** (``adaptive-run --live``).  At a join or a
+  leave the model is gathered whole on the next rank 0, sharded anew on a
+  mesh for the new members (:func:`~adaptive.parallel._sharding.sharding_mesh_like`)
+  from a storage-free copy of the unsharded model kept for that purpose,
+  and filled from rank 0's copy (:mod:`adaptive.checkpoint.peer_shards`);
+  the optimizer moves to the new parameters.  ``model.module`` is then a
+  new module: hold the wrapper, not the module inside it.  A lost member's
+  shards exist only in the checkpoint, so a loss restarts every member
+  from it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any, Callable, cast
 
 import torch
@@ -50,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from adaptive.checkpoint import states
+from adaptive.checkpoint import peer_shards, states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, membership
 from adaptive.parallel import _sharding, _training
@@ -64,12 +74,14 @@ class _FullyShardedState(states.ShardedState):
     """Model and optimizer as DCP shards; LR scheduler, grad scaler and gradient statistics as one small part."""
 
     def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 parts: _training.TrainingParts, before_save: Callable[[], None]) -> None:
+                 parts: _training.TrainingParts, before_save: Callable[[], None],
+                 reshard: Callable[[], torch.nn.Module]) -> None:
         super().__init__(name)
         self.module = module
         self.optimizer = optimizer
         self.parts = parts
         self._before_save = before_save
+        self._reshard = reshard
         self._saved_optimizer = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,6 +115,14 @@ class _FullyShardedState(states.ShardedState):
         loaded = read({"model": model, "optimizer": optimizer})
         set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
+
+    def gather_for_peers(self, dst: int) -> Any:
+        self._saved_optimizer = bool(self.optimizer.state)
+        return peer_shards.gather_full(self.sharded_state_dict(), dst)
+
+    def reshard_for_peers(self, gathered: Any) -> None:
+        self.module = self._reshard()
+        self.load_sharded_state_dict(lambda target: peer_shards.fill_from_rank0(target, gathered))
 
 
 def _check_fsdp_options(options: dict[str, Any]) -> None:
@@ -168,23 +188,21 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
                             f"{type(mesh).__name__}")
         if mesh is not None and mesh.ndim not in (1, 2):
             raise ValueError(f"mesh must have 1 dimension (FSDP) or 2 (replicate, shard: HSDP), got {mesh.ndim}")
-        if membership.is_live():
-            raise RuntimeError("AdaptiveFSDP does not support live membership changes yet (adaptive-run --live); "
-                               "run the job without --live: membership changes then restart it from the "
-                               "checkpoint, resharded for the new world size")
         _ensure_process_group(module)
         super().__init__()
-        self.module = _shard(module, optimizer, mesh, shard, fsdp_options)
+        self._blueprint = _live_blueprint(module)
+        self._sharding = (shard, dict(fsdp_options))
+        self.module = _shard(module, optimizer, _live_mesh(mesh), shard, fsdp_options)
         self.mesh = _sharding.module_mesh(self.module)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
         self._gradient_sync = True
         self._make_gns_and_rule(optimizer, scaler, scaling_rule, gns_interval)
-        self.gns.attach(self.module, is_last_micro_step=lambda: not _training.is_accumulation_step())
+        self.gns.attach(self.module, is_last_micro_step=_is_last_micro_step)
         parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
         self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts,
-                                         before_save=self._materialize)
+                                         before_save=self._materialize, reshard=self._reshard)
         self._on_meta = _on_meta_device(self.module)
         if not self._on_meta:
             self._restore_and_wire()
@@ -206,6 +224,32 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
                         ", LR scheduler" if self.lr_scheduler is not None else "",
                         ", grad scaler" if self.scaler is not None else "", env.num_replicas(),
                         tuple(self.mesh.shape))
+
+    def _reshard(self) -> torch.nn.Module:
+        """A live membership change: shard a fresh copy of the model for the new members; returns it.
+
+        Its values are filled by the caller (from the next rank 0's full
+        copy); the buffers, which FSDP does not shard, are copied over, so
+        non-persistent ones keep their values.
+        """
+        started = time.perf_counter()
+        assert self._blueprint is not None, "live mode keeps the unsharded model's layout"
+        old = self.module
+        mesh = _sharding.sharding_mesh_like(self.mesh)
+        new = _sharding.meta_copy(self._blueprint)
+        _sharding.apply_fully_shard(new, mesh, *self._sharding)
+        new.to_empty(device=next(old.parameters()).device)
+        buffers = dict(old.named_buffers())
+        with torch.no_grad():
+            for name, buffer in new.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+        _sharding.move_optimizer(self.optimizer, old, new)
+        self.module, self.mesh, self._gradient_sync = new, mesh, True
+        self._configured_for = None  # the loader configures the noise scale for the new replica count
+        self.gns.reattach(new, is_last_micro_step=_is_last_micro_step)
+        logger.debug("sharded the model anew on mesh %s in %.3f s", tuple(mesh.shape), time.perf_counter() - started)
+        return new
 
     def _materialize(self) -> None:
         """A model built on the meta device: once ``to_empty`` gave it storage, restore it (once)."""
@@ -235,6 +279,33 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         """Zero the gradients, except in the middle of an accumulation."""
         if not _training.is_continuing_accumulation():
             self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _is_last_micro_step() -> bool:
+    return not _training.is_accumulation_step()
+
+
+def _live_blueprint(module: torch.nn.Module) -> torch.nn.Module | None:
+    """In live mode, a storage-free copy of the unsharded model, sharded anew at each membership change."""
+    if not membership.is_live():
+        return None
+    if _sharding.is_fully_sharded(module):
+        raise ValueError("in live mode (adaptive-run --live) pass AdaptiveFSDP the unsharded model: it shards it "
+                         "and shards it again for each new membership, which it cannot do for a module on which "
+                         "fully_shard was already called")
+    return _sharding.meta_copy(module)
+
+
+def _live_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """``mesh``, or in live mode one of its kind for the generation this process is in (a joiner is admitted first)."""
+    if not membership.is_live():
+        return mesh
+    states.resumed_checkpoint()  # a joiner is admitted here, so it shards for the generation it joins
+    if mesh is None or mesh.size() == env.num_replicas():
+        return mesh
+    logger.info("the mesh given has %d replicas but the live generation has %d: sharding on a mesh of its kind "
+                "for them", mesh.size(), env.num_replicas())
+    return _sharding.sharding_mesh_like(mesh)
 
 
 def _check_module(module: Any) -> None:

@@ -41,6 +41,11 @@ _PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Bro
 
 _installed: dict[str, Any] = {}
 
+#: Why a live job restarts from the checkpoint after all: the loss came where it cannot be recovered in memory.
+_LIVE_RESTART = ("; the live job's members restart from it, since the loss broke a collective that cannot be "
+                 "discarded in memory (a sharded model's: the lost member's shards exist only in the checkpoint; "
+                 "or one outside the training steps)")
+
 
 def is_peer_failure(error: BaseException | None) -> bool:
     """Whether ``error`` (or an error it was raised from) is a collective broken by a lost peer."""
@@ -82,7 +87,8 @@ def report(error: BaseException) -> None:
     current_job().exiting = True  # not a deliberate break out of the epoch loop
     membership.mark_failed()  # live mode: whoever waits to join this generation forms the next one
     logger.error("rank %d: a peer replica failed (%s); exiting without writing a checkpoint so that the "
-                 "last complete one (in %s) stays the newest", env.rank(), _cause(error), env.checkpoint_path())
+                 "last complete one (in %s) stays the newest%s", env.rank(), _cause(error), env.checkpoint_path(),
+                 _LIVE_RESTART if membership.is_live() else "")
     logger.debug("the failed collective", exc_info=(type(error), error, error.__traceback__))
 
 

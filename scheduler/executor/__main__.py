@@ -2,12 +2,14 @@
 
     python -m scheduler.executor run    --workdir DIR --slots 4 [--policy goodput] [--interval 60] [--live]
     python -m scheduler.executor run    --workdir DIR --backend ray --ray-address HOST:PORT
-                                        [--ray-resource GPU] [--slots-per-node N]
+                                        [--ray-resource GPU] [--slots-per-node N] [--live]
     python -m scheduler.executor submit --workdir DIR job.yaml [...]
     python -m scheduler.executor status --workdir DIR [--json]
 
 ``run`` keeps going until interrupted (SIGINT/SIGTERM stop every job
-gracefully first), or with ``--exit-when-done`` until all jobs ended.
+gracefully first), or with ``--exit-when-done`` until all jobs ended. With
+``--live`` running jobs are resized in place (``adaptive-run --live``, see
+docs/live.md), on either backend.
 """
 
 from __future__ import annotations
@@ -41,21 +43,21 @@ def _backend(args: argparse.Namespace, spool: Spool) -> tuple[Backend, ClusterSp
         local = LiveLocalBackend if args.live else LocalBackend
         return (local(spool.log_dir, cuda=args.cuda), ClusterSpec(1, args.slots),
                 lambda: {"slots": args.slots, "live": bool(args.live)})
-    if args.live:
-        raise ValueError("--live is supported by the local backend only (the Ray backend restarts jobs to resize)")
     from scheduler.executor.ray_import import import_ray
 
     ray = import_ray()
     from scheduler.executor.ray_backend import RayBackend
+    from scheduler.executor.ray_live import LiveRayBackend
     from scheduler.executor.ray_pool import RayPool
 
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
     pool = RayPool(args.ray_resource, slots_per_node=args.slots_per_node)
-    backend = RayBackend(spool.log_dir, pool)
+    backend = LiveRayBackend(spool.log_dir, pool) if args.live else RayBackend(spool.log_dir, pool)
     cluster = pool.cluster_spec()
-    logger.info("Ray cluster: %d node(s) x %d %s slot(s)", cluster.num_nodes, cluster.gpus_per_node,
-                args.ray_resource)
-    return backend, cluster, lambda: {"slots": cluster.total_gpus, "backend": "ray", "nodes": backend.describe()}
+    logger.info("Ray cluster: %d node(s) x %d %s slot(s)%s", cluster.num_nodes, cluster.gpus_per_node,
+                args.ray_resource, "; jobs are resized live" if args.live else "")
+    return backend, cluster, lambda: {"slots": cluster.total_gpus, "backend": "ray", "live": bool(args.live),
+                                      "nodes": backend.describe()}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -139,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--poll", type=float, default=0.5, help="seconds between executor steps")
     run.add_argument("--cuda", action="store_true", help="map slots to CUDA_VISIBLE_DEVICES")
     run.add_argument("--live", action="store_true",
-                     help="resize running jobs in place, without restarting them (local backend; docs/live.md)")
+                     help="resize running jobs in place, without restarting them (docs/live.md)")
     run.add_argument("--exit-when-done", action="store_true", help="exit once every job has ended")
     submit = sub.add_parser("submit", help="submit YAML job specs to a workdir")
     submit.add_argument("--workdir", required=True)

@@ -322,11 +322,12 @@ class Executor:
 
     def _apply(self, now: float) -> None:
         for job in self.jobs.values():
-            if job.state is JobState.RUNNING and job.assignment is not None and job.assignment.nodes != job.target:
+            current = job.assignment
+            if job.state is JobState.RUNNING and current is not None and sorted(current.nodes) != sorted(job.target):
                 if self._resize_live(job):
                     continue
                 logger.info("%s: stopping to move from %d to %d replicas", job.spec.name,
-                            job.assignment.num_replicas, len(job.target))
+                            current.num_replicas, len(job.target))
                 self.backend.stop(job.handle)
                 job.state, job.stop_deadline = JobState.STOPPING, now + self.grace_period
         free = self._free_devices()

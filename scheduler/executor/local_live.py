@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import portpicker
@@ -35,7 +36,15 @@ from scheduler.executor.local import job_environment, signal_group
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LiveLocalBackend", "LiveLocalHandle"]
+__all__ = ["LiveLocalBackend", "LiveLocalHandle", "live_command"]
+
+
+def live_command(launcher: Sequence[str], spec: JobSpec, num_replicas: int, endpoint: str,
+                 max_restarts: int) -> list[str]:
+    """The command line of one live launcher of ``spec`` (one replica) on the job's store at ``endpoint``
+    (``HOST:PORT``), in a job of ``num_replicas`` replicas; also the Ray backend's in live mode."""
+    return [*launcher, "--live", f"--nnodes=1:{max(spec.max_replicas, num_replicas)}", "--nproc-per-node=1",
+            f"--max-restarts={max_restarts}", f"--rdzv-endpoint={endpoint}", *spec.command]
 
 
 @dataclass
@@ -73,9 +82,7 @@ class LiveLocalBackend(Backend):
 
     def command(self, spec: JobSpec, num_replicas: int, port: int = 0) -> list[str]:
         """The command line of one of the job's launchers (one replica each)."""
-        return [*self.launcher, "--live", f"--nnodes=1:{max(spec.max_replicas, num_replicas)}",
-                "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
-                f"--rdzv-endpoint=127.0.0.1:{port}", *spec.command]
+        return live_command(self.launcher, spec, num_replicas, f"127.0.0.1:{port}", self.max_restarts)
 
     def launch(self, spec: JobSpec, assignment: Assignment, attempt: int) -> LiveLocalHandle:
         if len(set(assignment.nodes)) != 1:

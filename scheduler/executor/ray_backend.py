@@ -44,6 +44,12 @@ process groups (jobs checkpoint and exit 143; one still being launched just
 ends with 143), a kill is SIGKILL. The actors and the placement group of an
 ended incarnation are released shortly after (once the actors confirmed the
 SIGKILL of their process groups, or after :data:`RELEASE_GRACE` s).
+
+In live mode (:mod:`scheduler.executor.ray_live`) each replica of a job is
+a one-node incarnation of this backend, started by
+:meth:`RayBackend.launch_nodes` with the replica's own command line
+(``adaptive-run --live``), log and the job's rendezvous endpoint; resizing
+a job adds and ends such incarnations while the others run.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend, read_tail
 from scheduler.executor.jobspec import JobSpec
@@ -73,7 +79,7 @@ from scheduler.executor.ray_node import NodeLauncher  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAUNCH_FAILED_EXIT", "LOST_NODE_EXIT", "Phase", "RayBackend", "RayHandle"]
+__all__ = ["LAUNCH_FAILED_EXIT", "LOST_NODE_EXIT", "NodeCommand", "Phase", "RayBackend", "RayHandle"]
 
 #: Ray's label with a node's id, which pins a bundle to that node.
 NODE_ID_LABEL = "ray.io/node-id"
@@ -85,6 +91,10 @@ FAILURE_GRACE = 2.0
 RELEASE_GRACE = 2.0
 
 _RemoteLauncher = ray.remote(NodeLauncher)
+
+#: One node's command line, from its rank (its position in the incarnation's nodes), the number of replicas
+#: on it and the rendezvous endpoint (``HOST:PORT``).
+NodeCommand: TypeAlias = Callable[[int, int, str], list[str]]
 
 
 class Phase(str, enum.Enum):
@@ -106,6 +116,7 @@ class RayHandle:
     nodes: tuple[int, ...]
     slots: tuple[int, ...]
     log_paths: tuple[str, ...]
+    command: NodeCommand
     deadline: float
     phase: Phase = Phase.PLACING
     placement_group: Any = None
@@ -119,7 +130,10 @@ class RayHandle:
     next_heartbeat: float = 0.0
     #: When a node's failure was first seen (the others are then confirmed alive before it counts).
     failed_at: float | None = None
+    #: The rendezvous endpoint: given at launch, or a free port on the first node once its actor is created.
     endpoint: str | None = None
+    #: What the logs and the placement group call it (default: the job's name).
+    label: str = ""
     gpus: dict[int, list[str]] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
     exit_code: int | None = None
@@ -128,7 +142,7 @@ class RayHandle:
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.label or self.spec.name
 
 
 @dataclass
@@ -185,23 +199,43 @@ class RayBackend(Backend):
 
     def launch(self, spec: JobSpec, assignment: Assignment, attempt: int) -> RayHandle:
         """Ask for the placement group and return at once; :meth:`poll` does the rest."""
+        nodes = sorted(set(assignment.nodes))
+        logs = [os.path.join(self.log_dir, spec.name, f"attempt-{attempt}.node-{n}.log") for n in nodes]
+
+        def command(rank: int, nproc: int, endpoint: str) -> list[str]:
+            return self.command(spec, len(nodes), nproc, rank, endpoint, attempt)
+
+        return self.launch_nodes(spec, assignment, attempt, command, logs)
+
+    def launch_nodes(self, spec: JobSpec, assignment: Assignment, attempt: int, command: NodeCommand,
+                     log_paths: Sequence[str], endpoint: str | None = None, label: str | None = None) -> RayHandle:
+        """Like :meth:`launch`, with each node's command line and log given: the node of rank ``i`` (in node
+        order) runs ``command(i, its replicas, endpoint)`` with its output appended to ``log_paths[i]``.
+
+        The rendezvous endpoint is ``endpoint`` when given (a running job's), else a free port on the
+        first node. ``label`` names the incarnation in the logs and its placement group
+        (``<label>-<attempt>``, default ``<job>-<attempt>``: Ray wants each name once).
+        :class:`~scheduler.executor.ray_live.LiveRayBackend` runs each replica this way.
+        """
         self._finish_releases()
         per_node = Counter(assignment.nodes)
         nodes = tuple(sorted(per_node))
-        logs = tuple(os.path.join(self.log_dir, spec.name, f"attempt-{attempt}.node-{n}.log") for n in nodes)
-        handle = RayHandle(spec, attempt, nodes, tuple(per_node[n] for n in nodes), logs,
-                           deadline=self.clock() + self.timeout)
+        if len(log_paths) != len(nodes):
+            raise ValueError(f"need one log path per node of {list(nodes)}, got {list(log_paths)}")
+        handle = RayHandle(spec, attempt, nodes, tuple(per_node[n] for n in nodes), tuple(log_paths), command,
+                           deadline=self.clock() + self.timeout, endpoint=endpoint, label=label or spec.name)
         try:
             selectors = [{NODE_ID_LABEL: self.pool.node(n).node_id} for n in nodes]
             handle.placement_group = placement_group(
-                [self._resources(k) for k in handle.slots], strategy="PACK", name=f"{spec.name}-{attempt}",
+                [self._resources(k) for k in handle.slots], strategy="PACK", name=f"{handle.name}-{attempt}",
                 bundle_label_selector=selectors)
             handle.pending = [(0, handle.placement_group.ready())]
         except (KeyError, ValueError, ray.exceptions.RayError) as exc:
-            logger.error("%s attempt %d could not be placed on nodes %s: %s", spec.name, attempt, list(nodes), exc)
+            logger.error("%s attempt %d could not be placed on nodes %s: %s", handle.name, attempt, list(nodes),
+                         exc)
             self._end(handle, LAUNCH_FAILED_EXIT)
             return handle
-        logger.info("%s attempt %d: placing %s", spec.name, attempt,
+        logger.info("%s attempt %d: placing %s", handle.name, attempt,
                     ", ".join(f"node {n} x{k}" for n, k in zip(nodes, handle.slots)))
         return handle
 
@@ -271,7 +305,7 @@ class RayBackend(Backend):
                                            handle.placement_group, placement_group_bundle_index=i)}
             options.update(self._actor_resources(handle.slots[i]))
             handle.actors.append(_RemoteLauncher.options(**options).remote())
-        handle.pending = [(0, handle.actors[0].address.remote())]
+        handle.pending = [] if handle.endpoint else [(0, handle.actors[0].address.remote())]
         if self.pool.resource == "GPU":
             handle.pending += [(i, actor.gpu_ids.remote()) for i, actor in enumerate(handle.actors)]
         self._next_phase(handle, Phase.CREATING)
@@ -281,9 +315,10 @@ class RayBackend(Backend):
         answered = self._answered(handle)
         if answered is None:
             return self._check_deadline(handle, "actors created")
-        ip, port = answered[0]
-        handle.endpoint = f"{ip}:{port}"
-        handle.gpus = dict(enumerate(answered[1:]))
+        if handle.endpoint is None:
+            ip, port = answered.pop(0)
+            handle.endpoint = f"{ip}:{port}"
+        handle.gpus = dict(enumerate(answered))
         spec = handle.spec
         base_env = dict(spec.env)
         base_env.update({"ADAPTIVE_JOB_ID": spec.name, "ADAPTIVE_CHECKPOINT_PATH": spec.checkpoint_dir,
@@ -294,7 +329,7 @@ class RayBackend(Backend):
             env = dict(base_env)
             if rank in handle.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(handle.gpus[rank])
-            cmd = self.command(spec, len(handle.nodes), nproc, rank, handle.endpoint, handle.attempt)
+            cmd = handle.command(rank, nproc, handle.endpoint)
             handle.pending.append((rank, actor.start.remote(cmd, env, log)))
         self._next_phase(handle, Phase.STARTING)
         return None
@@ -340,7 +375,7 @@ class RayBackend(Backend):
         """The results of the phase's pending calls, in order, once all are ready; ``None`` before, or
         when one raised (the handle then ended, see :meth:`_failed`)."""
         refs = [ref for _, ref in handle.pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         if len(ready) < len(refs):
             return None
         results = []

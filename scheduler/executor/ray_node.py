@@ -7,7 +7,9 @@ tells it which devices they are). It starts
 as a new session: the guard and the elastic launcher form one process group
 that it signals as a whole, and everything below the guard (the launcher,
 the training workers, their DataLoader workers) dies with the actor (see
-:mod:`scheduler.executor.node_guard`).
+:mod:`scheduler.executor.node_guard`). In live mode
+(:mod:`scheduler.executor.ray_live`) the actor of a job's first replica
+also says when its launcher's store listens (:meth:`NodeLauncher.serves`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import signal
 import socket
 import subprocess
 import sys
+
+import psutil
 
 from adaptive.runtime import process_tree
 from scheduler.executor.backend import exit_status
@@ -44,6 +48,12 @@ class NodeLauncher:
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray assigned to this actor (its bundle), as ``CUDA_VISIBLE_DEVICES`` entries."""
         return [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    def serves(self, port: int) -> bool:
+        """Whether a process on this node listens on TCP ``port`` now (a live job's store, once the agent
+        hosting it is up)."""
+        return any(conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+                   for conn in psutil.net_connections("tcp"))
 
     def start(self, command: list[str], env: dict[str, str], log_path: str) -> int:
         """Start ``command`` under the guard with ``env`` added, output appended to ``log_path``; its pid."""

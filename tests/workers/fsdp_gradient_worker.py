@@ -26,7 +26,8 @@ import torch
 import adaptive
 from adaptive.runtime import collectives
 from adaptive.parallel import sharding_mesh
-from fsdp_worker import WIDTH, BlockStack, IndexDataset
+from fsdp_worker import SAMPLES as BLOCK_SAMPLES, WIDTH
+from worker_common import BlockDataset, BlockStack
 
 OUT = os.environ["WORKER_OUT"]
 MODE = os.environ.get("WORKER_MODE", "samples")
@@ -63,7 +64,7 @@ def make_loader():
                                            collate_fn=pad, accumulation_steps=ACCUM)
     if ACCUM != 1:
         raise ValueError("sample batches accumulate only under autoscale; use WORKER_MODE=tokens")
-    return adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=24, shuffle=True, seed=3)
+    return adaptive.AdaptiveDataLoader(BlockDataset(BLOCK_SAMPLES), batch_size=24, shuffle=True, seed=3)
 
 
 def summed_loss(model, batch):
@@ -83,7 +84,7 @@ def reference_gradients(reference, indices):
         loss_sum, _ = summed_loss(reference, batch)
         loss = loss_sum / float(sum(LENGTHS[i] for i in indices))
     else:
-        dataset = IndexDataset()
+        dataset = BlockDataset(BLOCK_SAMPLES)
         items = [dataset[i] for i in indices]
         batch = torch.stack([x for x, _, _ in items]), torch.stack([y for _, y, _ in items]), None
         loss_sum, _ = summed_loss(reference, batch)
@@ -96,7 +97,7 @@ def main():
     adaptive.init_process_group("gloo")
     rank = int(os.environ.get("RANK", 0))
     torch.manual_seed(0)
-    model = BlockStack()
+    model = BlockStack(WIDTH)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None

@@ -26,7 +26,6 @@ compare with the checkpoint's shards.
 """
 
 import logging
-import math
 import os
 import time
 
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import adaptive
 from adaptive.checkpoint.states import resumed_checkpoint
 from adaptive.parallel import sharding_mesh
-from worker_common import append_jsonl, run_main, write_json
+from worker_common import BlockDataset, BlockStack, append_jsonl, run_main, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
@@ -50,43 +49,6 @@ META = os.environ.get("WORKER_META") == "1"
 WIDTH = 12
 
 logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', 0)}] %(name)s: %(message)s")
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + torch.tanh(self.linear(x))
-
-
-class BlockStack(torch.nn.Module):
-    """Input projection, residual blocks, head; ``steps`` counts optimizer steps (a checkpointed buffer)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(3, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
-        self.head = torch.nn.Linear(WIDTH, 1)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).sum(-1)  # (not squeeze: FSDP2 warns about views returned from a forward)
-
-
-class IndexDataset(torch.utils.data.Dataset):
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, index):
-        t = index / SAMPLES
-        x = torch.tensor([t, math.sin(7 * t), math.cos(5 * t)])
-        noise = math.sin(index * 12.9898) * 43758.5453 % 1.0 - 0.5
-        return x, torch.tensor(2 * t - x[1].item() + 0.1 * noise), index
 
 
 def record_resume(rank, world, model, optimizer, loader):
@@ -107,9 +69,9 @@ def main():
     torch.manual_seed(0)
     if META:  # nothing is allocated until to_empty(); the optimizer's parameters are swapped in place
         with torch.device("meta"):
-            model = BlockStack()
+            model = BlockStack(WIDTH)
     else:
-        model = BlockStack()
+        model = BlockStack(WIDTH)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None
     model = adaptive.AdaptiveFSDP(model, optimizer, mesh=mesh)
@@ -122,7 +84,7 @@ def main():
         model.module.steps.zero_()
         with torch.no_grad():
             model(torch.zeros(0, 3))  # the first forward: AdaptiveFSDP restores the checkpoint over the init
-    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
+    loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=7,
                                          accumulation_steps=ACCUM)
     record_resume(rank, world, model, optimizer, loader)
     counts = adaptive.Accumulator()

@@ -11,6 +11,11 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_EVAL         "1": the usual extras of a script: rank 0 prepares the data while the others wait
                         in a barrier, and every epoch a validation loop counts its samples in an
                         Accumulator created in that epoch (rank 0 appends them to ``val.jsonl``)
+    WORKER_TRANSFER_LOG "1": rank 0 and the joiners append to ``transfer.jsonl`` when they enter and leave
+                        their part of a hand-over of the training state (role send or receive; phase start,
+                        end or failed), so that a test can act while the state is being handed over
+    WORKER_SLOW_JOIN    seconds a joiner's first process (not one its launcher started again) waits before it
+                        receives the training state: its peers wait in the hand-over meanwhile
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
@@ -47,6 +52,8 @@ STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
 LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
 EVAL = os.environ.get("WORKER_EVAL") == "1"
+TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
+SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
 logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
@@ -62,7 +69,34 @@ class IndexDataset(torch.utils.data.Dataset):
         return torch.tensor([x, x * x]), torch.tensor([2 * x + noise]), index
 
 
+def log_transfers():
+    """Wrap the library's hand-over of the state to joiners (``peer_state._transfer``) to log it (and slow a
+    joiner's first process down, WORKER_SLOW_JOIN)."""
+    from adaptive.checkpoint import peer_state
+
+    transfer = peer_state._transfer
+    path = os.path.join(OUT, "transfer.jsonl")
+
+    def logged(tensor):
+        role = "send" if tensor is not None else "receive"
+        record = {"pid": os.getpid(), "role": role, "generation": membership.generation_number()}
+        append_jsonl(path, dict(record, phase="start", time=time.time()))
+        if role == "receive" and SLOW_JOIN and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(SLOW_JOIN)
+        try:
+            out = transfer(tensor)
+        except BaseException:
+            append_jsonl(path, dict(record, phase="failed", time=time.time()))
+            raise
+        append_jsonl(path, dict(record, phase="end", time=time.time()))
+        return out
+
+    peer_state._transfer = logged
+
+
 def main():
+    if TRANSFER_LOG or SLOW_JOIN:
+        log_transfers()
     adaptive.init_process_group("gloo")
     if EVAL and dist.get_rank() != 0:
         dist.barrier()  # rank 0 prepares the data first

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -21,6 +22,51 @@ class StepCountingLinear(torch.nn.Module):
     def forward(self, x):
         out = self.linear(x)
         return out.squeeze(-1) if self.squeeze else out
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block (each one its own FSDP unit in the sharded workers)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class BlockStack(torch.nn.Module):
+    """Input projection, residual blocks in a ModuleList, head; ``steps`` counts optimizer steps (a checkpointed
+    buffer)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.embed = torch.nn.Linear(3, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, 1)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum(-1)  # (not squeeze: FSDP2 warns about views returned from a forward)
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """``samples`` regression samples ``(x, y, index)`` for :class:`BlockStack`, the same on every process."""
+
+    def __init__(self, samples: int):
+        self.samples = samples
+
+    def __len__(self):
+        return self.samples
+
+    def __getitem__(self, index):
+        t = index / self.samples
+        x = torch.tensor([t, math.sin(7 * t), math.cos(5 * t)])
+        noise = math.sin(index * 12.9898) * 43758.5453 % 1.0 - 0.5
+        return x, torch.tensor(2 * t - x[1].item() + 0.1 * noise), index
 
 
 def write_json(path, payload):
@@ -95,8 +141,9 @@ def wait_for_gate(path, what, timeout=240.0) -> None:
         time.sleep(0.05)
 
 
-def run_main(main, out, rank) -> None:
-    """Run ``main()``; append how this process exits (its exit status) to ``exits.rank<R>.jsonl``."""
+def run_main(main, out, rank, log_name=None) -> None:
+    """Run ``main()``; append how this process exits (its exit status) to ``log_name`` (default
+    ``exits.rank<R>.jsonl``)."""
     code = 0
     try:
         main()
@@ -107,5 +154,5 @@ def run_main(main, out, rank) -> None:
         code = 1
         raise
     finally:
-        append_jsonl(os.path.join(out, f"exits.rank{rank}.jsonl"), {"pid": os.getpid(), "code": code,
-                                                                    "time": time.time()})
+        append_jsonl(os.path.join(out, log_name or f"exits.rank{rank}.jsonl"), {"pid": os.getpid(), "code": code,
+                                                                                "time": time.time()})

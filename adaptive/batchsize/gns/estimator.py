@@ -226,13 +226,30 @@ class GradientNoiseScale:
         probe.set_config(self._config)
         self._probe = probe
 
+    def reattach(self, model: torch.nn.Module, *, is_last_micro_step: Callable[[], bool] | None = None) -> None:
+        """Measure ``model``, which replaced the attached one (a live membership change resharded it).
+
+        As after :meth:`follow_group`, a step in progress is not measured and
+        the next configured step is: the batch configuration is set anew for
+        the new replica count.
+        """
+        average = self._probe._average_micro_steps if self._probe is not None else True
+        self._probe, self._config = None, None
+        self.attach(model, average_micro_steps=average, is_last_micro_step=is_last_micro_step)
+
     def follow_group(self, process_group: Any, world_size: int) -> None:
         """The model now reduces over ``process_group`` of ``world_size`` replicas (a live membership change).
 
-        A step in progress is not measured; the next configured step is.
+        A step in progress is not measured; the next configured step is.  The
+        configuration is forgotten, as in :meth:`reattach`: the probe forgot
+        it, and the next :meth:`set_batch_config` must reach the probe also
+        when the replica count did not change (a join and a leave at one
+        boundary), or this member would not measure the step a joiner measures.
         """
         if isinstance(self._probe, BackwardProbe):
             self._probe.follow_group(process_group, world_size)
+            with self._lock:
+                self._config = None
 
     def _check_replicas(self, world_size: int) -> None:
         if self._config is not None and self._config.num_replicas != world_size:

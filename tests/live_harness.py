@@ -1,0 +1,113 @@
+"""Helpers for the live-membership tests (``adaptive-run --live``): launchers of one job, and checks of what
+the workers logged (``tests/workers/live_worker.py``).
+
+Used by ``test_live.py`` and ``test_live_faults.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic_harness import Jobs, tail, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+LIVE_WORKER = REPO / "tests" / "workers" / "live_worker.py"
+SAMPLES, BATCH = 480, 24
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    started = Jobs(tmp_path)
+    yield started
+    started.cleanup()
+
+
+def launch(jobs: Jobs, out: Path, port: int, name: str, per_node: int = 1, restarts: int = 0,
+           script: Path = LIVE_WORKER, **extra: str):
+    """One ``adaptive-run --live`` launcher (a node) of the job whose store is on ``port`` running ``script``;
+    logs to ``name.log``."""
+    args = ["--live", "--nnodes", "1:4", "--nproc-per-node", str(per_node), "--max-restarts", str(restarts),
+            "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    settings = {"WORKER_SAMPLES": str(SAMPLES), "WORKER_BATCH": str(BATCH), **extra}
+    return jobs.launch(args, out, f"{name}.log", script=script, **settings)
+
+
+def steps(out: Path) -> list[dict]:
+    """Every step record of every process, oldest first."""
+    records = []
+    for path in out.glob("steps.*.jsonl"):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r["time"])
+
+
+def exits(out: Path) -> dict[int, int]:
+    """Each worker process's exit status, by PID."""
+    path = out / "exits.jsonl"
+    if not path.exists():
+        return {}
+    return {r["pid"]: r["code"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def logs(out: Path) -> str:
+    return "\n".join(f"--- {log.name}\n{tail(log, 40)}" for log in sorted(out.rglob("*.log")))
+
+
+def wait_steps(out: Path, predicate, what: str, timeout: float = 90.0) -> list[dict]:
+    return wait_for(lambda: (lambda records: records if predicate(records) else None)(steps(out)), timeout, what)
+
+
+def check_after_rollbacks(out: Path, epochs: int) -> None:
+    """Like :func:`check_steps` for a job that went back to a snapshot or a checkpoint after a loss: a step
+    trained again counts with the records of its newest generation, which must be one consistent set of
+    members from one state."""
+    newest: dict[tuple[int, int], list[dict]] = {}
+    for record in steps(out):
+        if record["discarded"]:  # a member was lost during it: trained again after the re-forming
+            continue
+        key = (record["epoch"], record["step"])
+        group = newest.get(key, [])
+        if group and record["generation"] > group[0]["generation"]:
+            group = []
+        if not group or record["generation"] == group[0]["generation"]:
+            newest[key] = group + [record]
+    for (epoch, step), records in newest.items():
+        assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, \
+            f"epoch {epoch} step {step}: {[(r['pid'], r['generation'], r['world']) for r in records]}"
+    for epoch in range(epochs):
+        seen = collections.Counter(i for (e, _), records in newest.items() if e == epoch
+                                   for r in records for i in r["indices"])
+        assert set(seen) == set(range(SAMPLES)) and sum(seen.values()) - SAMPLES < 4, epoch
+    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
+    assert sorted(last) == list(range(epochs))
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values()), last
+
+
+def check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:
+    """Every step was trained by exactly its world's members from one state, and each epoch saw every
+    sample once; returns the records by (epoch, step)."""
+    by_step: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
+    for record in steps(out):
+        by_step[(record["epoch"], record["step"])].append(record)
+    for (epoch, step), records in by_step.items():
+        worlds = {r["world"] for r in records}
+        assert len(worlds) == 1 and len(records) == worlds.pop(), \
+            f"epoch {epoch} step {step} was trained by {[(r['pid'], r['rank'], r['world']) for r in records]}"
+        assert sorted(r["rank"] for r in records) == list(range(len(records)))
+        assert len({r["digest"] for r in records}) == 1, \
+            f"the members of epoch {epoch} step {step} held different states: {[r['pid'] for r in records]}"
+    for epoch in range(epochs):
+        seen = collections.Counter(i for (e, _), records in by_step.items() if e == epoch
+                                   for r in records for i in r["indices"])
+        assert set(seen) == set(range(SAMPLES)), f"epoch {epoch} missed {sorted(set(range(SAMPLES)) - set(seen))}"
+        repeated = sum(count - 1 for count in seen.values())
+        assert repeated < 4, f"epoch {epoch} repeated {repeated} samples"
+    records = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(epochs))
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in records), records
+    done = json.loads((out / "done.json").read_text())
+    assert done["model_steps"] == done["step"] == len(by_step), done
+    return by_step

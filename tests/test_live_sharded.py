@@ -1,0 +1,131 @@
+"""Live membership with a sharded model (AdaptiveFSDP: FSDP2 and HSDP) under ``adaptive-run --live``.
+
+The worker (``tests/workers/live_fsdp_worker.py``) logs, per step and per
+process, the mesh, the generation, its sample indices and digests of the
+whole (gathered) model, optimizer and LR scheduler state before and after
+the step.  A change that resharded the state exactly shows as an unbroken
+chain: each step starts from the state the step before it ended with,
+across generations and meshes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+from pathlib import Path
+
+import portpicker
+import pytest
+
+from elastic_harness import live_pids, wait_exit
+from live_harness import SAMPLES, exits, jobs, launch, logs, steps, wait_steps  # noqa: F401 (jobs: a fixture)
+
+REPO = Path(__file__).resolve().parent.parent
+FSDP_WORKER = REPO / "tests" / "workers" / "live_fsdp_worker.py"
+
+
+def _by_step(out: Path) -> list[list[dict]]:
+    """The records of each trained step (epoch, loader step), in the order trained."""
+    grouped: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
+    for record in steps(out):
+        grouped[(record["epoch"], record["step"])].append(record)
+    return [grouped[key] for key in sorted(grouped, key=lambda key: grouped[key][0]["time"])]
+
+
+def _check_exact(out: Path, epochs: int) -> list[list[dict]]:
+    """Every step trained once by exactly its world's members from one state, in an unbroken chain of states,
+    every sample once per epoch."""
+    trained = _by_step(out)
+    previous_after = None
+    for records in trained:
+        first = records[0]
+        assert len(records) == first["world"], f"step {first['epoch']}/{first['step']} has {len(records)} records"
+        assert sorted(r["rank"] for r in records) == list(range(first["world"]))
+        assert len({(r["generation"], tuple(r["mesh"])) for r in records}) == 1
+        assert len({r["before"] for r in records}) == 1 and len({r["after"] for r in records}) == 1
+        if previous_after is not None:
+            assert first["before"] == previous_after, \
+                f"step {first['epoch']}/{first['step']} (generation {first['generation']}) does not start from the " \
+                "state the step before it ended with"
+        previous_after = first["after"]
+    for epoch in range(epochs):
+        seen = collections.Counter(i for records in trained if records[0]["epoch"] == epoch
+                                   for r in records for i in r["indices"])
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch} is not exact"
+    done = json.loads((out / "done.json").read_text())
+    assert done["model_steps"] == len(trained)
+    return trained
+
+
+def _settings(**extra: str) -> dict[str, str]:
+    return {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.1", "ADAPTIVE_COLLECTIVE_TIMEOUT": "30", **extra}
+
+
+def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path):
+    """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    first = launch(jobs, out, port, "first", script=FSDP_WORKER, **_settings())
+    wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
+    second = launch(jobs, out, port, "second", script=FSDP_WORKER, **_settings())
+    wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the joiner to train with the first node")
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+
+    trained = _check_exact(out, epochs=4)
+    meshes = [tuple(records[0]["mesh"]) for records in trained]
+    assert meshes[0] == (1,) and (2,) in meshes and meshes[-1] == (1,), meshes
+    generations = sorted({records[0]["generation"] for records in trained})
+    assert generations == [1, 2, 3], generations
+    (first_pid,) = {r["pid"] for r in steps(out) if r["generation"] == 1}
+    assert all(r["pid"] == first_pid for r in steps(out) if r["rank"] == 0), "the first worker was restarted"
+    assert sorted(exits(out).values()) == [0, 143], exits(out)
+
+
+@pytest.mark.slow
+@pytest.mark.ci_sample
+def test_hsdp_gains_and_loses_a_replica_group_live(jobs, tmp_path):
+    """HSDP with shard groups of 2: a second node of 2 joins (mesh (1, 2) -> (2, 2)) and leaves again."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = _settings(WORKER_SHARD_SIZE="2", WORKER_EPOCHS="4", WORKER_STEP_SLEEP="0.15")
+    first = launch(jobs, out, port, "first", per_node=2, script=FSDP_WORKER, ADAPTIVE_LIVE_MIN="2", **settings)
+    wait_steps(out, lambda rs: len(rs) >= 8, "the first node to train")
+    second = launch(jobs, out, port, "second", per_node=2, script=FSDP_WORKER, **settings)
+    wait_steps(out, lambda rs: sum(r["world"] == 4 for r in rs) >= 16, "the second node to train with the first")
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+
+    trained = _check_exact(out, epochs=4)
+    meshes = [tuple(records[0]["mesh"]) for records in trained]
+    assert meshes[0] == (1, 2) and (2, 2) in meshes and meshes[-1] == (1, 2), meshes
+    survivors = {r["pid"] for r in steps(out) if r["generation"] == 1}
+    assert len(survivors) == 2
+    assert {r["pid"] for r in steps(out) if r["rank"] < 2} == survivors, "a worker of the first node was restarted"
+    assert sorted(exits(out).values()) == [0, 0, 143, 143], exits(out)
+
+
+@pytest.mark.slow
+@pytest.mark.ci_sample
+def test_a_lost_member_of_a_sharded_job_restarts_everyone_from_the_checkpoint(jobs, tmp_path):
+    """A SIGKILLed member's shards exist only in the checkpoint: every member restarts from it (logged why),
+    and the job still trains each sample once per epoch."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = _settings(ADAPTIVE_CHECKPOINT_INTERVAL="0.5", WORKER_EPOCHS="6")
+    first = launch(jobs, out, port, "first", restarts=2, script=FSDP_WORKER, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 2, "the first node to train")
+    second = launch(jobs, out, port, "second", restarts=2, script=FSDP_WORKER, **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "two members to train")
+    victim = next(r["pid"] for r in reversed(records) if r["world"] == 2 and r["rank"] == 1)
+    survivor = next(r["pid"] for r in reversed(records) if r["world"] == 2 and r["rank"] == 0)
+    os.kill(victim, signal.SIGKILL)
+    assert wait_exit(first, 150, out / "first.log") == 0, logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
+    assert live_pids([victim]) == []
+    assert exits(out)[survivor] == 1, "the survivor did not take the restart path"
+    said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
+    assert "shards exist only in the checkpoint" in said  # the log says why every member restarted
+    epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    assert {(e["missing"], e["extra"]) for e in epochs} == {(0, 0)} and {e["epoch"] for e in epochs} == set(range(6))
