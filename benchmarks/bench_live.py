@@ -139,6 +139,7 @@ def live_trial(width: int) -> dict:
             join_pause, _ = _pause([s["time"] for s in mine], change)
             start = json.loads((out / f"start.{joiner}.json").read_text())
             joiner_first = steps[joiner][0]["time"] - start["torch"]
+            joiner_library = steps[joiner][0]["time"] - start["built"]
             two = [b["time"] - a["time"] for a, b in zip(mine, mine[1:]) if a["world"] == b["world"] == 2][5:]
             left_at = time.time()
             second.send_signal(signal.SIGTERM)
@@ -163,6 +164,7 @@ def live_trial(width: int) -> dict:
             loss_pause, _ = _pause([s["time"] for s in mine], next(s["time"] for s in mine if s["time"] > killed))
             return {"survivor pause at a join": join_pause,
                     "joiner first step from import torch": joiner_first,
+                    "joiner first step from its model and optimizer built": joiner_library,
                     "planned rescale (change to first step at 2)": change - last_alone,
                     "survivor pause at a leave": leave_pause,
                     "survivor pause at a lost worker": loss_pause,

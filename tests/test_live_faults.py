@@ -187,6 +187,8 @@ def _hold_rank0_until(jobs, out: Path, port: int, launchers: dict, rank0: int, g
     return _worker_of(launchers["third"])
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample
 def test_a_join_and_a_leave_at_one_boundary(jobs, tmp_path):
     """A node joins while rank 0's node is told to leave (SIGTERM to its launcher), both known to rank 0 at
     one agreement: one change, 2 -> 2 replicas, takes the leaver out and the joiner in (the leaver admits
@@ -236,3 +238,20 @@ def test_a_join_and_a_kill_at_one_boundary(jobs, tmp_path):
     final = {r["pid"] for r in after if r["world"] == 3}
     assert rank0 in final and joiner in final and len(final) == 3, \
         f"the killed worker's replacement did not join: {sorted({(r['pid'], r['world']) for r in after})}"
+
+
+def test_a_member_lost_as_a_loop_starts_is_left_behind_without_a_rollback(jobs, tmp_path):
+    """Rank 1 dies as epoch 4's loader loop is about to start, so rank 0 loses it at that loop's first
+    boundary, before the loop's first snapshot: nothing of the loop was trained, so rank 0 re-forms
+    alone with the state the last loop ended with (no restart, nothing trained twice), and the killed
+    worker's restart joins it."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    launchers, generation, rank0, rank1 = _two_members(jobs, out, port, WORKER_DIE_BEFORE_EPOCH="4:1")
+    _wait_launchers(out, launchers)
+    (died,) = [json.loads(line) for line in (out / "died.jsonl").read_text().splitlines()]
+    assert died["pid"] == rank1
+    said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
+    assert "back to the start of this loop" in said, logs(out)
+    check_steps(out, epochs=EPOCHS)  # no step was discarded or trained twice
+    after = _check_survivors(out, {rank0}, rank1, died["time"])
+    assert min(r["epoch"] for r in after) == 4 and all(r["pid"] != rank1 for r in after)

@@ -25,7 +25,7 @@ from scheduler.executor import Assignment, Executor, JobSpec
 from scheduler.executor.ray_live import LiveRayBackend
 from scheduler.executor.ray_pool import RayPool
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.ci_sample]  # CI runs them in its sample
 
 EPOCHS = 8
 

@@ -514,7 +514,7 @@ class AdaptiveDataLoader:
                         sync_points.settle(self._checkpoint_metadata, recoverable=True)
                         first = True
                 while faulted():  # live mode: a member was lost; those left go back to the last snapshot
-                    self._recover_from_loss()
+                    self._recover_from_loss(untrained=plan is None)
                     first = True
                 if sync_points.snapshot_agreed() or first:  # (the flag is consumed either way)
                     live.take_snapshot(self._where())
@@ -572,10 +572,13 @@ class AdaptiveDataLoader:
         """The loop in progress (live mode: a snapshot is good for its own loop only)."""
         return (epoch.current_epoch(), self.name, self._state.loop)
 
-    def _recover_from_loss(self) -> None:
-        """Live mode: re-form without the lost member and go back to the snapshot, or end this process."""
+    def _recover_from_loss(self, untrained: bool) -> None:
+        """Live mode: re-form without the lost member and go back to the snapshot, or end this process.
+
+        ``untrained``: this loop has not trained a step yet (the loss came at its first boundary).
+        """
         error = stream().fault
-        if not live.recover(self._where()):
+        if not live.recover(self._where(), loop_untrained=untrained):
             assert error is not None
             peer_failure.report(error)
             raise SystemExit(1) from error

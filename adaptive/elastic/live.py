@@ -217,13 +217,18 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     snapshot.where, snapshot.taken_at = where, time.monotonic()
 
 
-def recover(where: tuple[Any, ...]) -> bool:
+def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     """A member was lost during the step in flight: re-form without it and go back to the last snapshot.
 
     Called on every member that is left, at the boundary after the failed
-    step (which was not committed).  Returns False when that cannot be done
-    in memory (no snapshot of this loop; this member was taken for dead):
-    the caller then ends the process and the restart path takes over.
+    step (which was not committed).  ``loop_untrained``: the loss came at the
+    first boundary of loop ``where``, before it trained a step (a checkpoint
+    or the agreement as the loop starts); the states are then those the
+    previous loop ended with, the same on every member that took a snapshot
+    before, and they are kept as they are.  Returns False when recovery
+    cannot be done in memory (no snapshot of this loop, or none ever for a
+    loss at a loop's start; this member was taken for dead): the caller then
+    ends the process and the restart path takes over.
     """
     snapshot = current_job().part(_Snapshot)
     error = step_records.stream().fault
@@ -231,7 +236,8 @@ def recover(where: tuple[Any, ...]) -> bool:
         logger.error("lost a member (%s): its shards of the sharded model exist only in the checkpoint, so every "
                      "member restarts from it", error)
         return False
-    if snapshot.where != where or not snapshot.contents:
+    at_loop_start = loop_untrained and snapshot.where != where and bool(snapshot.contents)
+    if not at_loop_start and (snapshot.where != where or not snapshot.contents):
         logger.error("lost a member (%s) with no snapshot of this loop to go back to; restarting from the "
                      "checkpoint", error)
         return False
@@ -242,13 +248,20 @@ def recover(where: tuple[Any, ...]) -> bool:
         logger.error("the members that are left took this one for dead; restarting it")
         return False
     collectives.regroup(following, broken=True)
-    for state in states.registered_states():
-        if state.name in snapshot.contents:
-            state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
+    points = collectives.allgather_object((where, at_loop_start))
+    if len(set(points)) != 1:  # e.g. one member finished the loop's last step while another lost it
+        logger.error("lost a member (%s), and the members that are left stopped at different points %s; "
+                     "restarting from the checkpoint", error, sorted(set(points), key=repr))
+        return False
+    if not at_loop_start:
+        for state in states.registered_states():
+            if state.name in snapshot.contents:
+                state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
     step_records.stream().fault = None
     states.renew_generation()
-    logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to the snapshot of %.1f s ago; "
-                   "re-formed in %.3f s", type(error).__name__ if error else "?", before, env.num_replicas(),
-                   following.number, time.monotonic() - (snapshot.taken_at or time.monotonic()),
+    back_to = ("the start of this loop" if at_loop_start else
+               f"the snapshot of {time.monotonic() - (snapshot.taken_at or time.monotonic()):.1f} s ago")
+    logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",
+                   type(error).__name__ if error else "?", before, env.num_replicas(), following.number, back_to,
                    time.perf_counter() - started)
     return True

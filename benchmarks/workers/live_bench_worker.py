@@ -57,10 +57,10 @@ def adaptive_job() -> None:
     import adaptive
     from adaptive.runtime import membership
 
-    with open(os.path.join(OUT, f"start.{os.getpid()}.json"), "w") as handle:
-        json.dump({"start": T_START, "torch": T_TORCH}, handle)
     adaptive.init_process_group("gloo")
     model, optimizer, data = build()
+    with open(os.path.join(OUT, f"start.{os.getpid()}.json"), "w") as handle:  # the script's own start-up is done
+        json.dump({"start": T_START, "torch": T_TORCH, "built": time.time()}, handle)
     model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(data, batch_size=64, shuffle=True)
     steps = 0

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import adaptive
 from adaptive.parallel import sharding_mesh
 from adaptive.runtime import membership
-from worker_common import BlockDataset, BlockStack, append_jsonl, run_main, state_digest, write_json
+from worker_common import BlockDataset, BlockStack, append_jsonl, record_done, record_epoch, run_main, state_digest
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
@@ -81,17 +81,8 @@ def main():
                                "indices": index.tolist(), "before": before,
                                "after": full_digest(model, optimizer, scheduler)})
             time.sleep(STEP_SLEEP)
-        with counts.synchronized():
-            seen = counts["seen"]
-            if dist.get_rank() == 0:
-                append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
-                    "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
-                    "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step,
-                    "model_steps": int(model.module.steps)})
-            counts.clear()
-    if dist.get_rank() == 0:
-        write_json(os.path.join(OUT, "done.json"), {"step": loader.step, "model_steps": int(model.module.steps),
-                                                     "world": dist.get_world_size()})
+        record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
+    record_done(OUT, loader, int(model.module.steps))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Environment knobs (all optional but WORKER_OUT):
                         end or failed), so that a test can act while the state is being handed over
     WORKER_SLOW_JOIN    seconds a joiner's first process (not one its launcher started again) waits before it
                         receives the training state: its peers wait in the hand-over meanwhile
+    WORKER_DIE_BEFORE_EPOCH  "E:R": the first process of its launcher that is rank R of 2 or more SIGKILLs
+                        itself as epoch E's loader loop is about to start (its peers are then at that loop's
+                        first boundary); it appends its PID and the time to ``died.jsonl`` first
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
@@ -28,10 +31,10 @@ writes ``done.json``.  Each process appends its pid and exit status to
 ``exits.jsonl``.
 """
 
-import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
@@ -42,7 +45,7 @@ import torch.distributed as dist
 import adaptive
 from adaptive.runtime import membership
 from adaptive.runtime import step as step_records
-from worker_common import StepCountingLinear, append_jsonl, state_digest, write_json
+from worker_common import StepCountingLinear, append_jsonl, record_done, record_epoch, state_digest
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
@@ -54,6 +57,7 @@ AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
 EVAL = os.environ.get("WORKER_EVAL") == "1"
 TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
 SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
+DIE_BEFORE_EPOCH = os.environ.get("WORKER_DIE_BEFORE_EPOCH")
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
 logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
@@ -94,6 +98,16 @@ def log_transfers():
     peer_state._transfer = logged
 
 
+def die_before_loop(epoch):
+    """WORKER_DIE_BEFORE_EPOCH: this process dies (SIGKILL) as the epoch's loader loop is about to start."""
+    if not DIE_BEFORE_EPOCH or os.environ.get("TORCHELASTIC_RESTART_COUNT") != "0":
+        return
+    at_epoch, rank = (int(v) for v in DIE_BEFORE_EPOCH.split(":"))
+    if epoch == at_epoch and dist.get_rank() == rank and dist.get_world_size() > 1:
+        append_jsonl(os.path.join(OUT, "died.jsonl"), {"pid": os.getpid(), "time": time.time(), "epoch": epoch})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main():
     if TRANSFER_LOG or SLOW_JOIN:
         log_transfers()
@@ -117,6 +131,7 @@ def main():
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
     indices, digest = [], None
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
+        die_before_loop(epoch)
         for x, y, index in loader:
             if digest is None:  # the state this step starts from (before its first micro-batch)
                 digest = state_digest({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -147,17 +162,8 @@ def main():
                     append_jsonl(os.path.join(OUT, "val.jsonl"), {
                         "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
                         "extra": int((seen - 1).clip(min=0).sum())})
-        with counts.synchronized():
-            seen = counts["seen"]
-            if dist.get_rank() == 0:
-                append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
-                    "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
-                    "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step,
-                    "model_steps": int(model.module.steps)})
-            counts.clear()
-    if dist.get_rank() == 0:
-        write_json(os.path.join(OUT, "done.json"), {"step": loader.step, "model_steps": int(model.module.steps),
-                                                     "world": dist.get_world_size()})
+        record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
+    record_done(OUT, loader, int(model.module.steps))
 
 
 if __name__ == "__main__":

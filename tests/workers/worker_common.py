@@ -69,6 +69,29 @@ class BlockDataset(torch.utils.data.Dataset):
         return x, torch.tensor(2 * t - x[1].item() + 0.1 * noise), index
 
 
+def record_epoch(out, epoch, counts, loader, model_steps) -> None:
+    """End of an epoch: rank 0 appends to ``epochs.jsonl`` how many samples the epoch missed and trained more
+    than once (``counts["seen"]``, an Accumulator summed over the replicas); the counts start again."""
+    import torch.distributed as dist
+
+    with counts.synchronized():
+        seen = counts["seen"]
+        if dist.get_rank() == 0:
+            append_jsonl(os.path.join(out, "epochs.jsonl"), {
+                "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
+                "extra": int((seen - 1).clip(min=0).sum()), "step": loader.step, "model_steps": model_steps})
+        counts.clear()
+
+
+def record_done(out, loader, model_steps) -> None:
+    """The end of training: rank 0 writes ``done.json`` (the loader's step, the model's step count, the world)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        write_json(os.path.join(out, "done.json"), {"step": loader.step, "model_steps": model_steps,
+                                                    "world": dist.get_world_size()})
+
+
 def write_json(path, payload):
     """Replace ``path`` atomically (tests poll these files while workers run)."""
     tmp = f"{path}.tmp.{os.getpid()}"
