@@ -196,3 +196,13 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
 
     # A rollback (if the kill broke a step) trains the steps since the last checkpoint again.
     check_after_rollbacks(out, epochs=3)
+
+
+def test_only_an_agent_on_the_endpoints_machine_hosts_the_store():
+    """An agent hosts the job's store only when ``--rdzv-endpoint`` names an address of its own machine:
+    one on another machine, whose own port is free, must connect instead of hosting a store of its own."""
+    from adaptive.elastic.live_agent import _is_this_machine
+
+    assert _is_this_machine("127.0.0.1") and _is_this_machine("localhost")
+    assert not _is_this_machine("192.0.2.1")  # TEST-NET-1: no machine's address
+    assert not _is_this_machine("no-such-host.invalid")

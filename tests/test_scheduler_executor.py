@@ -286,6 +286,33 @@ def test_a_node_the_backend_saw_fail_is_not_used_for_the_relaunch(tmp_path):
     assert len(backend.launched) == 2 and backend.killed == []
 
 
+class ResizingBackend(NodesBackend):
+    """A NodesBackend that resizes running incarnations in place (as the live backends do), recording each."""
+
+    def __init__(self):
+        super().__init__()
+        self.resized = []
+
+    def resize(self, handle, assignment):
+        self.resized.append(assignment.nodes)
+        handle.assignment = assignment
+        return True
+
+
+def test_a_live_job_is_resized_once_even_when_its_nodes_come_out_in_another_order(tmp_path):
+    """A live resize keeps the replicas the job has and adds the others after them, so its nodes can be
+    (1, 0) where the policy's allocation is (0, 1): that is the same allocation, not another resize."""
+    backend = ResizingBackend()
+    plans = iter([{"a": (1,)}, {"a": (0, 1)}, {"a": (0, 1)}])
+    ex, clock = nodes_executor(tmp_path, backend, lambda jobs, n: next(plans), names=("a",))
+    ex.step()
+    for _ in range(2):
+        clock.now += 601  # the next decisions
+        ex.step()
+    assert backend.launched == [("a", (1,), 1)] and backend.resized == [(1, 0)]
+    assert ex.jobs["a"].state is JobState.RUNNING
+
+
 def test_infrastructure_failures_are_not_charged_to_max_failures(tmp_path):
     backend = NodesBackend()
     ex, _ = nodes_executor(tmp_path, backend, lambda jobs, n: {"a": (0,)}, names=("a",), max_failures=0)
