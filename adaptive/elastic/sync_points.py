@@ -251,7 +251,9 @@ def _act(metadata: Callable[[], dict[str, Any]]) -> None:
     _agreement().decided[:] = [0.0, 0.0]
     if stop > 0:
         _stop(dict(metadata(), reason="stop"))
-    if due > 0:
+    # A save agreed before another checkpoint was written (the finished one, between the agreement and its
+    # settling) would repeat it, after it: skipped, the same way on every replica (each counts the same steps).
+    if due > 0 and step_records.stream().steps_committed != states.steps_at_last_save():
         save_or_exit(dict(metadata(), reason="periodic"),
                      blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT
 
