@@ -31,6 +31,7 @@ import adaptive
 from adaptive.checkpoint import _dcp_io, _format, _saving, _staging, states
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.runtime import env
+from adaptive.runtime import step as step_records
 from adaptive.elastic import sync_points
 from adaptive.runtime.job import current_job, reset_job
 from adaptive.runtime.process_tree import kill_process_tree
@@ -339,11 +340,13 @@ def test_periodic_saves_are_asynchronous_by_setting(group: Path, monkeypatch: py
     calls: list[dict] = []
     monkeypatch.setattr(states, "save_all_states", lambda info, **kw: calls.append(kw))
     current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
-    monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", "1")
     sync_points._act(dict)
-    current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
-    monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", "0")
-    sync_points._act(dict)
+    assert calls == []  # nothing trained since the last save: a due save would repeat it
+    for raw in ("1", "0"):
+        step_records.stream().steps_committed += 1  # a step was trained since
+        current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
+        monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", raw)
+        sync_points._act(dict)
     assert calls == [{"blocking": False}, {"blocking": True}]
 
 
