@@ -63,21 +63,31 @@ def _settings(**extra: str) -> dict[str, str]:
     return {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.1", "ADAPTIVE_COLLECTIVE_TIMEOUT": "30", **extra}
 
 
-def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path):
-    """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state."""
-    out, port = tmp_path / "job", portpicker.pick_unused_port()
-    first = launch(jobs, out, port, "first", script=FSDP_WORKER, **_settings())
-    wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
-    second = launch(jobs, out, port, "second", script=FSDP_WORKER, **_settings())
-    wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the joiner to train with the first node")
+def _join_then_leave(jobs, out: Path, port: int, per_node: int, settings: dict[str, str],
+                     **first_only: str) -> list[tuple[int, ...]]:
+    """A first node of ``per_node`` workers trains; a second joins, trains with it (steps at twice the world)
+    and leaves on a real SIGTERM to its launcher (143); the first finishes (0). The leaver's workers are gone
+    (by PID), every step is exact (:func:`_check_exact`); returns each trained step's mesh, in order."""
+    first = launch(jobs, out, port, "first", per_node=per_node, script=FSDP_WORKER, **first_only, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 4 * per_node, "the first node to train")
+    second = launch(jobs, out, port, "second", per_node=per_node, script=FSDP_WORKER, **settings)
+    wait_steps(out, lambda rs: sum(r["world"] == 2 * per_node for r in rs) >= 8 * per_node,
+               "the second node to train with the first")
     second.send_signal(signal.SIGTERM)
     assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
     assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    leavers = {r["pid"] for r in steps(out) if r["world"] == 2 * per_node} - {r["pid"] for r in steps(out)
+                                                                            if r["generation"] == 1}
+    assert len(leavers) == per_node and live_pids(sorted(leavers)) == []
+    return [tuple(records[0]["mesh"]) for records in _check_exact(out, epochs=int(settings["WORKER_EPOCHS"]))]
 
-    trained = _check_exact(out, epochs=4)
-    meshes = [tuple(records[0]["mesh"]) for records in trained]
+
+def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path):
+    """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    meshes = _join_then_leave(jobs, out, port, 1, _settings())
     assert meshes[0] == (1,) and (2,) in meshes and meshes[-1] == (1,), meshes
-    generations = sorted({records[0]["generation"] for records in trained})
+    generations = sorted({r["generation"] for r in steps(out)})
     assert generations == [1, 2, 3], generations
     (first_pid,) = {r["pid"] for r in steps(out) if r["generation"] == 1}
     assert all(r["pid"] == first_pid for r in steps(out) if r["rank"] == 0), "the first worker was restarted"
@@ -90,16 +100,7 @@ def test_hsdp_gains_and_loses_a_replica_group_live(jobs, tmp_path):
     """HSDP with shard groups of 2: a second node of 2 joins (mesh (1, 2) -> (2, 2)) and leaves again."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = _settings(WORKER_SHARD_SIZE="2", WORKER_EPOCHS="4", WORKER_STEP_SLEEP="0.15")
-    first = launch(jobs, out, port, "first", per_node=2, script=FSDP_WORKER, ADAPTIVE_LIVE_MIN="2", **settings)
-    wait_steps(out, lambda rs: len(rs) >= 8, "the first node to train")
-    second = launch(jobs, out, port, "second", per_node=2, script=FSDP_WORKER, **settings)
-    wait_steps(out, lambda rs: sum(r["world"] == 4 for r in rs) >= 16, "the second node to train with the first")
-    second.send_signal(signal.SIGTERM)
-    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
-    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
-
-    trained = _check_exact(out, epochs=4)
-    meshes = [tuple(records[0]["mesh"]) for records in trained]
+    meshes = _join_then_leave(jobs, out, port, 2, settings, ADAPTIVE_LIVE_MIN="2")
     assert meshes[0] == (1, 2) and (2, 2) in meshes and meshes[-1] == (1, 2), meshes
     survivors = {r["pid"] for r in steps(out) if r["generation"] == 1}
     assert len(survivors) == 2

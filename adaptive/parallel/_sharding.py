@@ -35,9 +35,9 @@ from adaptive._utils.checks import check_int
 from adaptive.checkpoint import states
 from adaptive.runtime import env, membership
 
-__all__ = ["sharding_mesh", "sharding_mesh_like", "live_shard_size", "apply_fully_shard", "check_rebindable", "rebind_optimizer",
-           "parameter_names", "is_fully_sharded", "module_mesh", "meta_copy", "move_optimizer", "ShardPolicy",
-           "FSDP_OPTIONS"]
+__all__ = ["sharding_mesh", "sharding_mesh_like", "live_shard_size", "apply_fully_shard", "check_rebindable",
+           "rebind_optimizer", "parameter_names", "is_fully_sharded", "module_mesh", "meta_copy", "move_optimizer",
+           "ShardPolicy", "FSDP_OPTIONS"]
 
 logger = logging.getLogger(__name__)
 
