@@ -7,6 +7,7 @@ import operator
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,3 +78,63 @@ def test_a_peer_failure_in_the_users_own_collective_ends_the_script_with_one_lin
             "[127.0.0.1]:1234: Connection reset by peer); exiting without writing a checkpoint") in peer.stderr
     bug = subprocess.run([sys.executable, str(script), "bug"], capture_output=True, text=True, timeout=120, env=env)
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError: a bug in the script" in bug.stderr
+
+
+class _Work:
+    """A collective's handle as torch.distributed returns it: finishes after ``slices`` waits, or fails."""
+
+    def __init__(self, slices: int | None, error: Exception | None = None) -> None:
+        self.slices, self.error, self.waits = slices, error, 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        if self.slices is None or self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.error is not None or (self.slices is not None and self.waits > self.slices)
+
+
+def test_a_live_wait_goes_on_through_slices_and_ends_when_a_member_reported_a_loss(job, monkeypatch):
+    """In live mode a collective is waited for in slices: it may take several; a failure is an error; and one
+    that another member will never complete (it reported a lost peer and re-forms) ends the wait."""
+    from adaptive.runtime import membership
+
+    monkeypatch.setattr(membership, "is_live", lambda: True)
+    reported = []
+    monkeypatch.setattr(membership, "loss_reported", lambda: bool(reported))
+    slow = _Work(slices=3)
+    collectives.wait(slow, "test")
+    assert slow.waits == 4
+    with pytest.raises(collectives.CollectiveError, match="Connection reset by peer"):
+        collectives.wait(_Work(slices=0, error=RuntimeError("Connection reset by peer")), "test")
+    stuck = _Work(slices=None)
+    reported.append(True)
+    with pytest.raises(collectives.CollectiveError, match="another member reported a lost peer"):
+        collectives.wait(stuck, "test")
+    assert stuck.waits == 1
+
+
+def test_a_future_torch_waits_for_is_given_up_once_a_member_reports_a_loss(job, monkeypatch):
+    """DDP waits for its gradient all-reduce itself: the watcher completes such a future with its fallback once a
+    member reports a lost peer, and a future completed the ordinary way first keeps its value."""
+    import torch
+
+    from adaptive.runtime import loss_watch, membership
+
+    reported = []
+    monkeypatch.setattr(membership, "loss_reported", lambda: bool(reported))
+    finished: torch.futures.Future[str] = torch.futures.Future()
+    loss_watch.release_on_loss(finished, lambda: "given up")
+    assert loss_watch.complete_once(finished, "reduced") and finished.wait() == "reduced"
+    assert not loss_watch.complete_once(finished, "again")
+    stuck: torch.futures.Future[str] = torch.futures.Future()
+    loss_watch.release_on_loss(stuck, lambda: "given up")
+    time.sleep(3 * loss_watch.INTERVAL)
+    assert not stuck.done()  # nobody reported a loss: it waits
+    reported.append(True)
+    assert wait_for(stuck.done, 5.0, "the watcher to give the future up")
+    assert stuck.wait() == "given up"

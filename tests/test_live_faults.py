@@ -255,3 +255,25 @@ def test_a_member_lost_as_a_loop_starts_is_left_behind_without_a_rollback(jobs, 
     check_steps(out, epochs=EPOCHS)  # no step was discarded or trained twice
     after = _check_survivors(out, {rank0}, rank1, died["time"])
     assert min(r["epoch"] for r in after) == 4 and all(r["pid"] != rank1 for r in after)
+
+
+@pytest.mark.slow
+def test_one_of_three_members_lost_while_they_train_flat_out(jobs, tmp_path):
+    """Three members train with next to no pause, so the kill lands in a step's gradient all-reduce, its
+    noise-scale all-reduce, DDP's buffer broadcast or its agreement as often as not (in the middle of an epoch:
+    a loss between loops takes the restart path): the two left keep their PIDs and train again soon (none waits
+    out the collective timeout for data that a member which saw the loss first stopped sending), and the
+    killed worker's replacement joins them."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = dict(SETTINGS, WORKER_STEP_SLEEP="0.01", WORKER_EPOCHS="3", WORKER_BATCH="6")  # 80 steps an epoch
+    launchers = [launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **settings)
+                 for name in ("first", "second", "third")]
+    records = wait_steps(out, lambda rs: any(r["world"] == 3 and r["epoch"] == 1 and r["step"] >= 20 for r in rs),
+                         "three members to train into the second epoch")
+    pids = {r["rank"]: r["pid"] for r in records if r["world"] == 3}
+    killed = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    for launcher in launchers:
+        assert wait_exit(launcher, 150, out / "first.log") == 0, logs(out)
+    check_after_rollbacks(out, epochs=3)
+    _check_survivors(out, {pids[0], pids[2]}, pids[1], killed)

@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import portpicker
@@ -108,11 +109,65 @@ def test_hsdp_gains_and_loses_a_replica_group_live(jobs, tmp_path):
     assert sorted(exits(out).values()) == [0, 0, 143, 143], exits(out)
 
 
+def _newest(out: Path) -> list[list[dict]]:
+    """The records of each step as last trained (a step discarded or trained again after a rollback counts as
+    its newest generation trained it), in training order: (epoch, loader step)."""
+    newest: dict[tuple[int, int], list[dict]] = {}
+    for record in sorted(steps(out), key=lambda r: r["time"]):
+        if record["discarded"]:
+            continue
+        key = (record["epoch"], record["step"])
+        group = newest.get(key, [])
+        newest[key] = group + [record] if group and group[0]["generation"] == record["generation"] else [record]
+    return [newest[key] for key in sorted(newest)]
+
+
+@pytest.mark.slow
+@pytest.mark.ci_sample
+def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
+    """HSDP (2, 2): SIGKILL of one worker of the second node. Every replica group holds every shard, so the
+    three that are left keep their PIDs, join a whole copy from their snapshots, reshard for three and go
+    on; the killed worker's launcher starts it again and it joins. Each step as last trained starts from the
+    state the step before it ended with (an unbroken chain across the rollback), every sample once."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = _settings(WORKER_SHARD_SIZE="2", WORKER_EPOCHS="4", WORKER_STEP_SLEEP="0.15",
+                         ADAPTIVE_LIVE_SNAPSHOT_INTERVAL="0.5", ADAPTIVE_CHECKPOINT_INTERVAL="0")
+    first = launch(jobs, out, port, "first", per_node=2, restarts=2, script=FSDP_WORKER, ADAPTIVE_LIVE_MIN="4",
+                   **settings)
+    second = launch(jobs, out, port, "second", per_node=2, restarts=2, script=FSDP_WORKER, **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 4 for r in rs) >= 24, "four members to train")
+    before = {r["rank"]: r["pid"] for r in records if r["world"] == 4}
+    victim = before[3]
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    assert wait_exit(first, 150, out / "first.log") == 0, logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
+    assert live_pids([victim]) == []
+    after = [r for r in steps(out) if r["time"] > killed and not r["discarded"]]
+    survivors = {pid for rank, pid in before.items() if rank != 3}
+    assert {r["pid"] for r in after if r["world"] == 3} == survivors, "the members that were left did not go on"
+    assert any(r["pid"] not in before.values() and r["world"] == 4 for r in after), "no worker rejoined"
+    assert all(exits(out)[pid] == 0 for pid in survivors), "a member that was left was restarted"
+    said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
+    assert "back to the snapshot" in said and "restarting from the checkpoint" not in said
+    previous_after = None
+    for trained in _newest(out):
+        first_record = trained[0]
+        assert len(trained) == first_record["world"] and len({r["before"] for r in trained}) == 1
+        assert previous_after is None or first_record["before"] == previous_after, \
+            f"step {first_record['epoch']}/{first_record['step']} does not start from the state before it"
+        previous_after = first_record["after"]
+    for epoch in range(4):
+        seen = collections.Counter(i for trained in _newest(out) if trained[0]["epoch"] == epoch
+                                   for r in trained for i in r["indices"])
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch} is not exact"
+
+
 @pytest.mark.slow
 @pytest.mark.ci_sample
 def test_a_lost_member_of_a_sharded_job_restarts_everyone_from_the_checkpoint(jobs, tmp_path):
-    """A SIGKILLed member's shards exist only in the checkpoint: every member restarts from it (logged why),
-    and the job still trains each sample once per epoch."""
+    """1-D FSDP: a SIGKILLed member's shards have no other copy, so every member restarts from the checkpoint
+    (logged why), and the job still trains each sample once per epoch."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = _settings(ADAPTIVE_CHECKPOINT_INTERVAL="0.5", WORKER_EPOCHS="6")
     first = launch(jobs, out, port, "first", restarts=2, script=FSDP_WORKER, **settings)
@@ -127,6 +182,20 @@ def test_a_lost_member_of_a_sharded_job_restarts_everyone_from_the_checkpoint(jo
     assert live_pids([victim]) == []
     assert exits(out)[survivor] == 1, "the survivor did not take the restart path"
     said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
-    assert "shards exist only in the checkpoint" in said  # the log says why every member restarted
+    assert "were held only by the members that were lost" in said  # the log says why every member restarted
     epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
     assert {(e["missing"], e["extra"]) for e in epochs} == {(0, 0)} and {e["epoch"] for e in epochs} == set(range(6))
+
+
+def test_the_shards_left_are_found_or_the_loss_is_reported_on_every_member():
+    """After a loss each shard is taken from the first member left that holds it; a shard no member holds
+    any more (1-D FSDP), or a layout that is not FSDP2's, is ShardsLost, decided from what every member said."""
+    from adaptive.checkpoint.peer_shards import ShardsLost, _holders
+
+    assert _holders([(1, 2), (0, 2), (1, 2)]) == [1, 0]  # (2, 2) HSDP without one member: (shard index, count)
+    with pytest.raises(ShardsLost, match=r"shard\(s\) \[1\] of 2"):
+        _holders([(0, 2), (0, 2)])
+    with pytest.raises(ShardsLost, match="not sharded as FSDP2"):
+        _holders([(0, 2), (None, 0)])
+    with pytest.raises(ShardsLost, match="not sharded as FSDP2"):
+        _holders([(0, 2), (0, 3)])

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from adaptive.checkpoint import _format, _safe_load
 from adaptive.checkpoint.generation import StaleGenerationError
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
-from adaptive.runtime import collectives, env
+from adaptive.runtime import collectives, env, membership
 from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.observe import metrics
 
@@ -58,6 +58,7 @@ class BackgroundSaves:
     pending_save: _Pending | None = None  # the asynchronous save in flight
     save_group: dist.ProcessGroup | None = None  # the gloo group of asynchronous saves, created by the first one
     exit_wait_registered: bool = False  # the end of the process waits for the save in flight
+    regroup_listener: bool = False  # a live regroup drops save_group (its group is destroyed)
 
 
 def _session() -> BackgroundSaves:
@@ -269,6 +270,29 @@ def wait_for_pending_save(job: Job | None = None) -> int | None:
     return pending.result
 
 
+def abandon_pending_save() -> int | None:
+    """Live mode, after a lost member: stop waiting for the asynchronous save in flight; its sequence number.
+
+    Its collectives ran on the generation that lost the member: it fails, or
+    waits for a peer that is gone, and nothing waits for it any more.  If it
+    did complete everywhere before the loss, rank 0 may still publish it (a
+    complete checkpoint of an earlier step); otherwise the previous
+    checkpoint stays the latest.  The next save builds its group anew.
+    """
+    session = _session()
+    pending, session.pending_save, session.save_group = session.pending_save, None, None
+    if pending is None or not pending.thread.is_alive():
+        return None
+    logger.warning("asynchronous checkpoint %d was in flight when a member was lost; it is not waited for "
+                   "(the previous checkpoint stays the latest unless it completed everywhere)", pending.seq)
+    return pending.seq
+
+
+def forget_save_group() -> None:
+    """The process groups were rebuilt (a live change): the next asynchronous save creates its group anew."""
+    _session().save_group = None
+
+
 def _wait_at_exit(job: Job) -> None:
     try:
         wait_for_pending_save(job)
@@ -284,6 +308,9 @@ def _background_group() -> Any:
     if session.save_group is None:
         timeout = datetime.timedelta(seconds=env.collective_timeout())
         session.save_group = dist.new_group(backend="gloo", timeout=timeout)
+        if not session.regroup_listener:
+            membership.on_regroup(forget_save_group)
+            session.regroup_listener = True
     return session.save_group
 
 

@@ -20,20 +20,31 @@ change therefore moves it in two collectives, on either side of the regroup:
 This is the in-memory counterpart of a restart that reshards from the DCP
 checkpoint (:class:`~adaptive.checkpoint.states.ShardedState`); it costs one
 full copy of the sharded state in rank 0's host memory during the change.
+
+When a member is *lost* the old group is broken, so the full copy is built
+from snapshots instead: at agreed boundaries each rank copies its own shards
+to host memory (:func:`copy_local`); after the members that are left
+re-formed, :func:`gather_from_snapshots` finds, for every shard, a member
+that holds a copy of it (with HSDP, every replica group holds all of them)
+and sends those copies to the new rank 0, which joins them into the full
+copy that :func:`fill_from_rank0` scatters.  When the lost members held
+every copy of some shard (1-D FSDP), :class:`ShardsLost` is raised on every
+member alike and the job restarts from the checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from adaptive.runtime import collectives, env
 
-__all__ = ["gather_full", "fill_from_rank0"]
+__all__ = ["gather_full", "fill_from_rank0", "copy_local", "gather_from_snapshots", "ShardsLost"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +65,7 @@ def gather_full(state_dict: Any, dst: int) -> Any:
     """
     keep = env.rank() == dst
 
-    def visit(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {key: visit(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(visit(item) for item in value)
+    def leaf(value: Any) -> Any:
         if isinstance(value, DTensor):
             whole = value.full_tensor()
             return whole.cpu() if keep else None
@@ -66,7 +73,7 @@ def gather_full(state_dict: Any, dst: int) -> Any:
             return value.detach().cpu() if keep else None
         return value
 
-    gathered = visit(state_dict)
+    gathered = _map_leaves(state_dict, leaf)
     return gathered if keep else None
 
 
@@ -135,3 +142,146 @@ def _scatter(spec: _Sharded, aim: Any, source: torch.Tensor | None) -> torch.Ten
     except (RuntimeError, torch.distributed.DistError) as error:
         raise collectives.CollectiveError(f"resharding the model state from rank 0 failed: {error}") from error
     return whole
+
+
+# ---------------------------------------------------------------- after a lost member: from the snapshots
+class ShardsLost(RuntimeError):
+    """Some shard of the sharded state has no copy among the members that are left (raised on every member)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalShard:
+    """In a snapshot: this rank's part of a DTensor, on the host, and which part it is."""
+
+    tensor: torch.Tensor  # the local shard, on the CPU
+    shape: tuple[int, ...]  # the whole tensor's
+    index: int | None  # which of ``count`` dim-0 shards; None: a layout other than FSDP's (not recoverable)
+    count: int
+
+
+def copy_local(state_dict: Any) -> Any:
+    """``state_dict`` with each DTensor replaced by a host copy of this rank's shard (no communication).
+
+    Plain tensors are copied too, other values deep-copied, so the snapshot
+    does not change when training goes on.
+    """
+    def leaf(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            index, count = _shard_position(value)
+            return _LocalShard(value.to_local().detach().to("cpu", copy=True), tuple(value.shape), index, count)
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        return copy.deepcopy(value)
+
+    return _map_leaves(state_dict, leaf)
+
+
+def _map_leaves(value: Any, leaf: Any) -> Any:
+    """``value`` (nested dicts, lists and tuples) with ``leaf`` applied to everything else, in walk order."""
+    if isinstance(value, dict):
+        return {key: _map_leaves(item, leaf) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_leaves(item, leaf) for item in value)
+    return leaf(value)
+
+
+def _shard_position(value: DTensor) -> tuple[int | None, int]:
+    """Which dim-0 shard of ``value`` this rank holds and of how many (FSDP2's placements: Shard(0), the
+    rest Replicate); ``(None, 0)`` for any other layout."""
+    sharded = [dim for dim, placement in enumerate(value.placements) if isinstance(placement, Shard)]
+    if len(sharded) != 1 or value.placements[sharded[0]] != Shard(0) or not all(
+            isinstance(placement, (Shard, Replicate)) for placement in value.placements):
+        return None, 0
+    mesh = value.device_mesh
+    return mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
+
+
+def _local_shards(snapshot: Any) -> list[_LocalShard]:
+    """The :class:`_LocalShard` leaves of ``snapshot``, in the order of a depth-first walk."""
+    if isinstance(snapshot, dict):
+        return [leaf for item in snapshot.values() for leaf in _local_shards(item)]
+    if isinstance(snapshot, (list, tuple)):
+        return [leaf for item in snapshot for leaf in _local_shards(item)]
+    return [snapshot] if isinstance(snapshot, _LocalShard) else []
+
+
+def gather_from_snapshots(snapshot: Any, dst: int = 0) -> Any:
+    """The whole state on rank ``dst`` of the current group from every member's :func:`copy_local` snapshot.
+
+    Collective on the group the members that are left formed.  Every member
+    says which shard it holds; for each shard the first member holding it
+    sends its copies to ``dst`` (one message per dtype), which joins them
+    along dim 0.  Returns what :func:`gather_full` would have (None on the
+    other ranks).
+
+    Raises:
+        ShardsLost: on every member, before anything is sent, when some
+            shard has no copy left or a tensor is not sharded as FSDP2 shards.
+    """
+    leaves = _local_shards(snapshot)
+    positions = {(leaf.index, leaf.count) for leaf in leaves}
+    mine = positions.pop() if len(positions) == 1 else (None, 0)
+    shapes = [(tuple(leaf.tensor.shape), leaf.tensor.dtype) for leaf in leaves]
+    said = collectives.allgather_object((mine, shapes))
+    holders = _holders([position for position, _ in said])
+    rank = env.rank()
+    group = collectives.control_group()
+    sends = sorted({holder for holder in holders if holder != dst})
+    if rank in holders and rank != dst:
+        for dtype in _dtypes(leaves):
+            flat = torch.cat([leaf.tensor.reshape(-1) for leaf in leaves if leaf.tensor.dtype == dtype])
+            torch.distributed.send(flat, group_dst=dst, group=group)
+    if rank != dst:
+        return None
+    received = {dst: [leaf.tensor for leaf in leaves]}
+    for holder in sends:
+        received[holder] = _receive(said[holder][1], holder, group)
+    return _join(snapshot, [received[holder] for holder in holders], iter(range(len(leaves))))
+
+
+def _holders(positions: list[tuple[int | None, int]]) -> list[int]:
+    """For each shard index, the first rank that holds it; :class:`ShardsLost` when one has none."""
+    counts = {count for _, count in positions}
+    if any(index is None for index, _ in positions) or len(counts) != 1:
+        raise ShardsLost("the sharded state is not sharded as FSDP2 shards it (Shard(0) over one mesh dimension) "
+                         "on every member")
+    count = counts.pop()
+    holders: dict[int, int] = {}
+    for rank, (index, _) in enumerate(positions):
+        holders.setdefault(int(index), rank)  # type: ignore[arg-type]
+    missing = [index for index in range(count) if index not in holders]
+    if missing:
+        raise ShardsLost(f"shard(s) {missing} of {count} were held only by the members that were lost")
+    return [holders[index] for index in range(count)]
+
+
+def _dtypes(leaves: list[_LocalShard]) -> list[torch.dtype]:
+    return sorted({leaf.tensor.dtype for leaf in leaves}, key=str)
+
+
+def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int, group: Any) -> list[torch.Tensor]:
+    """``holder``'s local shards, one message per dtype, split back into tensors of ``shapes``."""
+    tensors: list[torch.Tensor | None] = [None] * len(shapes)
+    for dtype in sorted({dtype for _, dtype in shapes}, key=str):
+        which = [i for i, (_, kind) in enumerate(shapes) if kind == dtype]
+        sizes = [int(torch.Size(shapes[i][0]).numel()) for i in which]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        torch.distributed.recv(flat, group_src=holder, group=group)
+        for i, part in zip(which, flat.split(sizes)):
+            tensors[i] = part.view(shapes[i][0])
+    return [tensor for tensor in tensors if tensor is not None]
+
+
+def _join(snapshot: Any, by_shard: list[list[torch.Tensor]], order: Any) -> Any:
+    """``snapshot`` with each local shard replaced by the whole tensor joined from every shard's copy."""
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, _LocalShard):
+            return value
+        i = next(order)
+        whole = torch.cat([parts[i] for parts in by_shard], dim=0)
+        if tuple(whole.shape) != value.shape:
+            raise RuntimeError(f"the shards of a tensor of shape {value.shape} join into {tuple(whole.shape)}: "
+                               "the members run different models")
+        return whole
+
+    return _map_leaves(snapshot, leaf)

@@ -52,7 +52,7 @@ import time
 from typing import Any, Callable
 
 from adaptive._utils.checks import check_bool
-from adaptive.checkpoint import _saving, peer_state
+from adaptive.checkpoint import _saving, peer_shards, peer_state
 from adaptive.runtime import collectives, membership
 from adaptive.runtime import env
 from adaptive.observe import metrics
@@ -73,6 +73,9 @@ __all__ = [
     "resumed_checkpoint",
     "registered_states",
     "share_with_joiners",
+    "sharded_states",
+    "snapshot_sharded_states",
+    "recover_sharded_states",
     "renew_generation",
     "CheckpointError",
 ]
@@ -223,6 +226,14 @@ class ShardedState(State):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot move between live generations in memory")
 
+    def snapshot_shards(self) -> Any:
+        """Live mode: this rank's shards copied to host memory, to go back to after a lost member.
+
+        See :func:`adaptive.checkpoint.peer_shards.copy_local`; after the loss
+        :func:`recover_sharded_states` joins the members' copies.
+        """
+        return peer_shards.copy_local(self.sharded_state_dict())
+
 
 def epoch_scope() -> int | None:
     """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
@@ -339,6 +350,10 @@ def resumed_checkpoint() -> Checkpoint | None:
         collectives.complete_admission()  # a joiner built its objects: it asks the running members to admit it
         if membership.membership().took_state_from_peers:  # admitted into a running generation
             session.resumed, session.resumed_looked_up = peer_state.receive_states(), True
+            # As many steps since the last save as the members count, so that all decide alike whether
+            # a save agreed at the boundary repeats the last one (sync_points._act).
+            since = int((session.resumed.info.metadata or {}).get("steps_since_save", 0))
+            session.steps_at_save = stream().steps_committed - since
             return session.resumed
     store = _checkpoint_store()
     resumed = session.resumed = store.latest()
@@ -467,6 +482,12 @@ def wait_for_pending_save() -> int | None:
     return _saving.wait_for_pending_save()
 
 
+def abandon_pending_save() -> int | None:
+    """Live mode, after a lost member: do not wait for the asynchronous save in flight (its group broke);
+    its sequence number, or None (see :func:`adaptive.checkpoint._saving.abandon_pending_save`)."""
+    return _saving.abandon_pending_save()
+
+
 def periodic_saves_asynchronous() -> bool:
     """Whether periodic checkpoints are saved in the background (``ADAPTIVE_ASYNC_CHECKPOINT``).
 
@@ -505,8 +526,9 @@ def share_with_joiners(metadata: dict[str, Any]) -> None:
         peer_state.pass_states()
         return
     states = registered_states()
-    sent = peer_state.send_states({state.name: state.state_dict() for state in states}, resumed_seq(),
-                                  _manifest_info(states, metadata), [state.name for state in sharded_states()])
+    info = _manifest_info(states, dict(metadata, steps_since_save=stream().steps_committed - _session().steps_at_save))
+    sent = peer_state.send_states({state.name: state.state_dict() for state in states}, resumed_seq(), info,
+                                  [state.name for state in sharded_states()])
     logger.debug("sent %d states (%.1f MB) to the joiners", len(states), sent / 1e6)
 
 
@@ -527,6 +549,27 @@ def reshard_sharded_states(gathered: dict[str, Any]) -> None:
     """At a live change, on the new group: every sharded state resharded for the new members from rank 0's copy."""
     for state in sharded_states():
         state.reshard_for_peers(gathered.get(state.name))
+
+
+def snapshot_sharded_states() -> dict[str, Any]:
+    """Live mode, at an agreed boundary: every sharded state's local shards, copied (no communication)."""
+    return {state.name: state.snapshot_shards() for state in sharded_states()}
+
+
+def recover_sharded_states(snapshots: dict[str, Any]) -> None:
+    """After a lost member, on the group of the members that are left: every sharded state resharded for
+    them from their ``snapshots`` (:func:`snapshot_sharded_states`, taken at the same boundary on each).
+
+    Raises:
+        peer_shards.ShardsLost: on every member, before any state changed,
+            when the lost members held every copy of some shard.
+    """
+    missing = [state.name for state in sharded_states() if state.name not in snapshots]
+    if missing:  # the same on every member: the snapshots were taken at the same agreed boundary
+        raise peer_shards.ShardsLost(f"no snapshot holds the shards of {missing}")
+    gathered = {state.name: peer_shards.gather_from_snapshots(snapshots[state.name]) for state in sharded_states()}
+    for state in sharded_states():
+        state.reshard_for_peers(gathered[state.name])
 
 
 def renew_generation() -> None:

@@ -37,8 +37,15 @@ they re-form on the store without the lost member
 last in-memory snapshot of every state (:func:`take_snapshot`, taken at
 agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
 each loop's first boundary), so the steps since then are trained again.
-A job with a sharded model takes no snapshots: the lost member's shards
-exist only in the checkpoint, so a loss restarts every member from it.
+A sharded model (FSDP2, HSDP) snapshots each rank's own shards; after a
+loss the members that are left join a whole copy from them on the new
+rank 0 (:func:`adaptive.checkpoint.states.recover_sharded_states`) and shard
+it anew for themselves, as at a change.  Its mesh's collectives record the
+loss instead of raising (:mod:`adaptive.runtime.fault_tolerant_group`, gloo
+only).  With HSDP every replica group holds every shard, so losing any
+replica group's members is recovered in memory; when the lost members held
+every copy of some shard (1-D FSDP, or a whole shard index across replica
+groups), or the mesh is on NCCL, every member restarts from the checkpoint.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from typing import Any
 
 from adaptive.checkpoint import states
 from adaptive.elastic import random_state
-from adaptive.runtime import collectives, env, membership, peer_failure
+from adaptive.checkpoint.peer_shards import ShardsLost
+from adaptive.runtime import collectives, env, fault_tolerant_group, membership, peer_failure
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
@@ -172,6 +180,7 @@ class _Snapshot:
 
     where: tuple[Any, ...] | None = None  # the loop it was taken in: (epoch, loader, loop)
     contents: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shards: dict[str, Any] = dataclasses.field(default_factory=dict)  # sharded states: this rank's shards
     taken_at: float | None = None  # monotonic
 
 
@@ -189,7 +198,7 @@ def snapshot_interval() -> float:
 
 def snapshot_due() -> bool:
     """On rank 0 of a live job: whether the next snapshot is due (the per-step agreement carries it)."""
-    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0 or states.sharded_states():
+    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0:
         return False
     taken_at = current_job().part(_Snapshot).taken_at
     return taken_at is None or time.monotonic() - taken_at >= snapshot_interval()
@@ -199,9 +208,10 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     """Copy every state in memory at an agreed boundary of loop ``where``; collective (each state's ``sync()``).
 
     The random generators are not kept: a step trained again after a loss
-    draws new numbers, as after a rescale.
+    draws new numbers, as after a rescale.  A sharded state keeps this
+    rank's shards (:func:`adaptive.checkpoint.states.snapshot_sharded_states`).
     """
-    if not membership.is_live() or snapshot_interval() <= 0 or states.sharded_states():
+    if not membership.is_live() or snapshot_interval() <= 0:
         return
     registered = states.registered_states()
     try:
@@ -214,6 +224,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     snapshot = current_job().part(_Snapshot)
     snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered
                          if state.name != random_state.NAME}
+    snapshot.shards = states.snapshot_sharded_states()
     snapshot.where, snapshot.taken_at = where, time.monotonic()
 
 
@@ -232,10 +243,9 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     """
     snapshot = current_job().part(_Snapshot)
     error = step_records.stream().fault
-    if states.sharded_states():
-        logger.error("lost a member (%s): its shards of the sharded model exist only in the checkpoint, so every "
-                     "member restarts from it", error)
-        return False
+    membership.report_loss()  # a member still waiting in a collective with one that stopped sending comes too
+    fault_tolerant_group.close_all()
+    states.abandon_pending_save()  # a background save in flight ran on the broken group
     at_loop_start = loop_untrained and snapshot.where != where and bool(snapshot.contents)
     if not at_loop_start and (snapshot.where != where or not snapshot.contents):
         logger.error("lost a member (%s) with no snapshot of this loop to go back to; restarting from the "
@@ -253,11 +263,19 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
         logger.error("lost a member (%s), and the members that are left stopped at different points %s; "
                      "restarting from the checkpoint", error, sorted(set(points), key=repr))
         return False
+    # The sharded states' own shards at the loop's start are what the previous loop ended with.
+    shards = states.snapshot_sharded_states() if at_loop_start else snapshot.shards
     if not at_loop_start:
         for state in states.registered_states():
             if state.name in snapshot.contents:
                 state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
     step_records.stream().fault = None
+    if shards:
+        try:
+            states.recover_sharded_states(shards)
+        except ShardsLost as lost:
+            logger.error("lost a member (%s) and %s; restarting from the checkpoint", error, lost)
+            return False
     states.renew_generation()
     back_to = ("the start of this loop" if at_loop_start else
                f"the snapshot of {time.monotonic() - (snapshot.taken_at or time.monotonic()):.1f} s ago")

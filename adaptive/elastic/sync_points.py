@@ -252,7 +252,8 @@ def _act(metadata: Callable[[], dict[str, Any]]) -> None:
     if stop > 0:
         _stop(dict(metadata(), reason="stop"))
     # A save agreed before another checkpoint was written (the finished one, between the agreement and its
-    # settling) would repeat it, after it: skipped, the same way on every replica (each counts the same steps).
+    # settling) would repeat it, after it: skipped, the same way on every replica (each counts the same steps
+    # since the last save; a live joiner takes the members' count with the state).
     if due > 0 and step_records.stream().steps_committed != states.steps_at_last_save():
         save_or_exit(dict(metadata(), reason="periodic"),
                      blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT

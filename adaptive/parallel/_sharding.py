@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -33,11 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from adaptive._utils.checks import check_int
 from adaptive.checkpoint import states
-from adaptive.runtime import env, membership
+from adaptive.runtime import env, fault_tolerant_group, membership
+from adaptive.runtime.job import current_job
 
 __all__ = ["sharding_mesh", "sharding_mesh_like", "live_shard_size", "apply_fully_shard", "check_rebindable",
            "rebind_optimizer", "parameter_names", "is_fully_sharded", "module_mesh", "meta_copy", "move_optimizer",
-           "ShardPolicy", "FSDP_OPTIONS"]
+           "is_fault_tolerant", "ShardPolicy", "FSDP_OPTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +79,45 @@ def sharding_mesh(shard_size: int | str | None = None, *, device_type: str | Non
     replicas = env.num_replicas()
     kind = _device_type(device_type)
     if shard_size is None:
-        return init_device_mesh(kind, (replicas,), mesh_dim_names=("shard",))
+        return _mesh(kind, (replicas,), ("shard",))
     if shard_size == "node":
         shard_size = env.num_local_replicas()
     shard_size = check_int("shard_size", shard_size, 1, hint=" (replicas per shard group, or 'node', or None)")
     if membership.is_live():  # a generation may have any size: shard as its members reshard for it
+        current_job().part(_LiveShardSize).wanted = shard_size
         return _hsdp_mesh(kind, shard_size, replicas)
     if replicas % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide the number of replicas ({replicas}); "
                          "use shard_size=None for one shard group over all replicas")
-    return init_device_mesh(kind, (replicas // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    return _mesh(kind, (replicas // shard_size, shard_size), ("replicate", "shard"))
 
 
 def sharding_mesh_like(mesh: DeviceMesh) -> DeviceMesh:
     """A mesh of ``mesh``'s kind for the current replicas (after a live membership change).
 
     1-D: one shard group over all replicas.  2-D (HSDP): shard groups of
-    ``mesh``'s size where that divides the replicas; otherwise the smallest
-    size above it that does (at most every replica in one group), so that
-    no replica holds more than it did.  Collective.
+    the size asked of :func:`sharding_mesh` (else ``mesh``'s) where that
+    divides the replicas; otherwise the smallest size above it that does (at
+    most every replica in one group), so that no replica holds more than it
+    would.  Collective.
     """
     kind = mesh.device_type
     replicas = env.num_replicas()
     if mesh.ndim == 1:
-        return init_device_mesh(kind, (replicas,), mesh_dim_names=("shard",))
-    return _hsdp_mesh(kind, mesh.shape[1], replicas)
+        return _mesh(kind, (replicas,), ("shard",))
+    return _hsdp_mesh(kind, current_job().part(_LiveShardSize).wanted or mesh.shape[1], replicas)
+
+
+@dataclasses.dataclass
+class _LiveShardSize:
+    """The HSDP shard-group size asked of :func:`sharding_mesh` in live mode (its record on the job context).
+
+    Meshes after a change are built for it, not for the last mesh's size
+    (which grew while it did not divide the replicas), so that the members
+    and a joiner, which asks for it anew, build the same mesh.
+    """
+
+    wanted: int | None = None
 
 
 def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
@@ -110,7 +126,22 @@ def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
     if size != wanted:
         logger.warning("HSDP shard groups of %d replicas do not divide the %d replicas now; sharding in groups of "
                        "%d until they do", wanted, replicas, size)
-    return init_device_mesh(kind, (replicas // size, size), mesh_dim_names=("replicate", "shard"))
+    return _mesh(kind, (replicas // size, size), ("replicate", "shard"))
+
+
+def _mesh(kind: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh``; in live mode on gloo its groups record a lost peer instead of raising
+    (:mod:`adaptive.runtime.fault_tolerant_group`), so the survivors can discard the step and go on."""
+    if not fault_tolerant_group.applies(kind):
+        return init_device_mesh(kind, shape, mesh_dim_names=names)
+    fault_tolerant_group.register()
+    return init_device_mesh(kind, shape, mesh_dim_names=names,
+                            backend_override={name: fault_tolerant_group.BACKEND for name in names})
+
+
+def is_fault_tolerant(mesh: DeviceMesh) -> bool:
+    """Whether every group of ``mesh`` records a lost peer instead of raising."""
+    return all(isinstance(mesh.get_group(dim), fault_tolerant_group.FaultTolerantGroup) for dim in range(mesh.ndim))
 
 
 def _policy(shard: ShardPolicy, module: torch.nn.Module) -> Callable[[str, torch.nn.Module], bool]:

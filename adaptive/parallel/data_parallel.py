@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.runtime import collectives, env, membership, peer_failure
+from adaptive.runtime import collectives, env, loss_watch, membership, peer_failure
+from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime import step as step_records
 from adaptive.parallel import _training
 
@@ -147,10 +148,28 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         if step_records.faulted():
             return
         try:
-            super()._sync_buffers()
+            if membership.is_live() and not hasattr(self, "buffer_hook"):
+                self._broadcast_buffers()
+            else:
+                super()._sync_buffers()
         except (RuntimeError, torch.distributed.DistError) as error:
             if not peer_failure.absorb_in_live_mode(error):
                 raise
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every member, as DDP broadcasts them, but waited for by
+        :func:`adaptive.runtime.collectives.wait` (a lost peer another member reported ends the wait)."""
+        with torch.no_grad():
+            self._assign_modules_buffers()
+            buffers = list(self.modules_buffers)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                for kind in sorted({(buffer.dtype, buffer.device) for buffer in buffers}, key=str):  # same order
+                    same = [buffer for buffer in buffers if (buffer.dtype, buffer.device) == kind]
+                    flat = torch.cat([buffer.reshape(-1) for buffer in same])
+                    work = torch.distributed.broadcast(flat, group_src=0, group=self.process_group, async_op=True)
+                    collectives.wait(work, "the buffer broadcast")
+                    for buffer, value in zip(same, flat.split([buffer.numel() for buffer in same])):
+                        buffer.copy_(value.view_as(buffer))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.
@@ -168,9 +187,10 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
 def _allreduce_or_record_fault(state: object, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's averaging all-reduce of a gradient bucket (live mode), which survives a lost peer.
 
-    When the all-reduce fails (a member died), the failure is recorded on the
-    step (:func:`adaptive.runtime.step.record_fault`) and the bucket keeps
-    its local gradients: the backward pass ends normally, the optimizer step
+    When the all-reduce fails (a member died), or another member reports a
+    lost peer before it completes (:mod:`adaptive.runtime.loss_watch`), the
+    failure is recorded on the step (:func:`adaptive.runtime.step.record_fault`)
+    and the bucket keeps its local gradients: the backward pass ends normally, the optimizer step
     is skipped and the step is discarded at the next boundary, where the
     members that are left re-form (:func:`adaptive.elastic.live.recover`).
     """
@@ -182,15 +202,23 @@ def _allreduce_or_record_fault(state: object, bucket: torch.distributed.GradBuck
     group = torch.distributed.group.WORLD
     tensor.div_(torch.distributed.get_world_size(group))
     reduced = torch.distributed.all_reduce(tensor, group=group, async_op=True).get_future()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-    def finish(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def finish(future: torch.futures.Future[list[torch.Tensor]]) -> None:
         try:
-            return future.value()[0]
+            value = future.value()[0]
         except Exception as error:  # the backend's error for a lost peer
             step_records.record_fault(error)
-            return tensor
+            value = tensor
+        loss_watch.complete_once(result, value)
 
-    result: torch.futures.Future[torch.Tensor] = reduced.then(finish)
+    def given_up() -> torch.Tensor:  # another member reported the loss: this all-reduce will not complete
+        step_records.record_fault(CollectiveError("a gradient all-reduce given up: another member reported a "
+                                                  "lost peer"))
+        return tensor
+
+    loss_watch.release_on_loss(result, given_up)
+    reduced.add_done_callback(finish)
     return result
 
 

@@ -42,9 +42,11 @@ What it does, on top of ``fully_shard``:
   from a storage-free copy of the unsharded model kept for that purpose,
   and filled from rank 0's copy (:mod:`adaptive.checkpoint.peer_shards`);
   the optimizer moves to the new parameters.  ``model.module`` is then a
-  new module: hold the wrapper, not the module inside it.  A lost member's
-  shards exist only in the checkpoint, so a loss restarts every member
-  from it.
+  new module: hold the wrapper, not the module inside it.  After a lost
+  member the others join a whole copy from their snapshots of their shards
+  and shard it anew the same way (HSDP: every replica group holds every
+  shard); when the lost members held every copy of a shard (1-D FSDP),
+  every member restarts from the checkpoint (:mod:`adaptive.elastic.live`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from adaptive.checkpoint import peer_shards, states
 from adaptive.checkpoint.store import CheckpointError
-from adaptive.runtime import collectives, env, membership
+from adaptive.runtime import collectives, env, fault_tolerant_group, membership
 from adaptive.parallel import _sharding, _training
 
 __all__ = ["AdaptiveFSDP"]
@@ -110,6 +112,7 @@ class _FullyShardedState(states.ShardedState):
         if not self._saved_optimizer:
             loaded = read({"model": get_model_state_dict(self.module)})
             set_model_state_dict(self.module, loaded["model"])
+            self.optimizer.state.clear()  # back to before the first step (after a lost member, in live mode)
             return
         model, optimizer = get_state_dict(self.module, self.optimizer)  # targets, sharded as the model is now
         loaded = read({"model": model, "optimizer": optimizer})
@@ -301,11 +304,17 @@ def _live_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     if not membership.is_live():
         return mesh
     states.resumed_checkpoint()  # a joiner is admitted here, so it shards for the generation it joins
-    if mesh is None or mesh.size() == env.num_replicas():
+    if mesh is None:
         return mesh
-    logger.info("the mesh given has %d replicas but the live generation has %d: sharding on a mesh of its kind "
-                "for them", mesh.size(), env.num_replicas())
-    return _sharding.sharding_mesh_like(mesh)
+    if mesh.size() != env.num_replicas():
+        logger.info("the mesh given has %d replicas but the live generation has %d: sharding on a mesh of its kind "
+                    "for them", mesh.size(), env.num_replicas())
+        return _sharding.sharding_mesh_like(mesh)
+    if fault_tolerant_group.applies(mesh.device_type) and not _sharding.is_fault_tolerant(mesh):
+        logger.info("the mesh given was not built by adaptive.parallel.sharding_mesh(): sharding on one of its "
+                    "kind whose groups let the members that are left go on in memory when one is lost")
+        return _sharding.sharding_mesh_like(mesh)
+    return mesh
 
 
 def _check_module(module: Any) -> None:

@@ -6,7 +6,9 @@ checkpoints, epochs or batch sizes: the environment torchrun gives
 (:mod:`.job`), the process groups and collectives (:mod:`.collectives`),
 the step the running loader publishes to the models and optimizers
 (:mod:`.step`), the live job's generations of members (:mod:`.membership`,
-``adaptive-run --live``), how a peer's death is reported (:mod:`.peer_failure`),
+``adaptive-run --live``), its collectives that outlast a lost peer
+(:mod:`.fault_tolerant_group` for a sharded model's mesh, :mod:`.loss_watch`),
+how a peer's death is reported (:mod:`.peer_failure`),
 what workers report to ``adaptive-run`` (:mod:`.launch_status`) and the
 processes that end with their incarnation (:mod:`.process_tree`).
 

@@ -23,6 +23,7 @@ import functools
 import logging
 import operator
 import os
+import pickle
 from typing import Any, Callable, Protocol, TypeVar
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "allgather_object",
     "allreduce_max_async",
     "barrier",
+    "wait",
     "regroup",
     "complete_admission",
     "Waitable",
@@ -229,17 +231,56 @@ def _wrap_failure(what: str, error: BaseException) -> CollectiveError:
     )
 
 
+#: How long a live job's collective is waited for between looks at whether a member reported a lost peer.
+_WAIT_SLICE = datetime.timedelta(seconds=0.1)
+
+
+def wait(work: Any, what: str) -> None:
+    """Wait for the collective ``work``; :class:`CollectiveError` when it fails.
+
+    In live mode it is waited for in slices, and between them a lost peer
+    that another member reported (:func:`adaptive.runtime.membership.report_loss`)
+    ends the wait with the error too: in a group of three or more, a member
+    can wait for data that a member which already saw the loss will never
+    send, and would otherwise only learn of it at the collective timeout.
+    """
+    if not membership.is_live():
+        try:
+            work.wait()
+        except (RuntimeError, dist.DistError) as error:
+            raise _wrap_failure(what, error) from error
+        return
+    while True:
+        try:
+            work.wait(timeout=_WAIT_SLICE)
+            return
+        except (RuntimeError, dist.DistError) as error:
+            if work.is_completed():  # failed, rather than not finished within the slice
+                raise _wrap_failure(what, error) from error
+        if membership.loss_reported():
+            raise _wrap_failure(what, CollectiveError("another member reported a lost peer"))
+
+
 def allgather_object(obj: T) -> list[T]:
     """Every replica's ``obj``, in rank order."""
     group = _require_group()
     if _world_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * _world_size(group)
-    try:
-        dist.all_gather_object(out, obj, group=group)
-    except (RuntimeError, dist.DistError) as error:
-        raise _wrap_failure("allgather_object", error) from error
-    return out
+    return _gather_objects(obj, group, "allgather_object")
+
+
+def _gather_objects(obj: Any, group: Any, what: str) -> list[Any]:
+    """``torch.distributed.all_gather_object``, its two collectives waited for by :func:`wait`."""
+    size = _world_size(group)
+    data = _to_bytes(obj)
+    lengths = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
+    wait(_issue(what, dist.all_gather, lengths, torch.tensor([data.numel()]), group=group, async_op=True), what)
+    longest = max(int(length) for length in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    wait(_issue(what, dist.all_gather, received, padded, group=group, async_op=True), what)
+    return [_from_bytes(tensor[:int(length)]) for tensor, length in zip(received, lengths)]
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
@@ -247,12 +288,31 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     group = _require_group()
     if _world_size(group) == 1:
         return obj
-    box = [obj]
+    what = "broadcast_object"
+    data = _to_bytes(obj) if env.rank() == src else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([data.numel()])
+    wait(_issue(what, dist.broadcast, length, group_src=src, group=group, async_op=True), what)
+    if env.rank() != src:
+        data = torch.empty(int(length), dtype=torch.uint8)
+    wait(_issue(what, dist.broadcast, data, group_src=src, group=group, async_op=True), what)
+    return obj if env.rank() == src else _from_bytes(data)
+
+
+def _issue(what: str, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Start an asynchronous collective; :class:`CollectiveError` when it cannot start."""
     try:
-        dist.broadcast_object_list(box, src=src, group=group)
+        return operation(*args, **kwargs)
     except (RuntimeError, dist.DistError) as error:
-        raise _wrap_failure("broadcast_object", error) from error
-    return box[0]
+        raise _wrap_failure(what, error) from error
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    """``obj`` pickled, as a uint8 tensor (as ``all_gather_object`` sends it: between the job's processes)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes(tensor: torch.Tensor) -> Any:
+    return pickle.loads(tensor.numpy().tobytes())  # noqa: S301 (a peer process of this job sent it)
 
 
 def allreduce_object(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> T:
@@ -261,12 +321,7 @@ def allreduce_object(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> T
 
 
 def _allreduce_on_async_group(obj: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
-    out: list[Any] = [None] * dist.get_world_size(_groups().asynchronous)
-    try:
-        dist.all_gather_object(out, obj, group=_groups().asynchronous)
-    except (RuntimeError, dist.DistError) as error:
-        raise _wrap_failure("allreduce_async", error) from error
-    return functools.reduce(reduce_fn, out)
+    return functools.reduce(reduce_fn, _gather_objects(obj, _groups().asynchronous, "allreduce_async"))
 
 
 def allreduce_async(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> concurrent.futures.Future[T]:
@@ -291,10 +346,7 @@ def barrier() -> None:
     group = _require_group()
     if _world_size(group) == 1:
         return
-    try:
-        dist.barrier(group=group)
-    except (RuntimeError, dist.DistError) as error:
-        raise _wrap_failure("barrier", error) from error
+    wait(_issue("barrier", dist.barrier, group=group, async_op=True), "barrier")
 
 
 class Waitable(Protocol):
@@ -335,10 +387,7 @@ class _Pending:
         self._tensor = tensor
 
     def result(self) -> list[float]:
-        try:
-            self._work.wait()
-        except (RuntimeError, dist.DistError) as error:
-            raise _wrap_failure("step agreement", error) from error
+        wait(self._work, "step agreement")
         # Keep the finished operation referenced for a few more agreements.  Gloo's worker thread can
         # still hold the work for a moment after wait() returns; if Python dropped the tensor first, that
         # thread would destroy the tensor's Python object and so take the interpreter's thread-state lock

@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from adaptive.runtime import env
 from adaptive.runtime.job import current_job
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
            "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed",
            "mark_ended", "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
-           "reform_after_loss", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
+           "reform_after_loss", "report_loss", "loss_reported", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -404,9 +404,29 @@ def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Gener
     if planned is not None and Generation.from_json(planned).number != agreed.number:
         store.set(f"gen/{Generation.from_json(planned).number}/state", _FAILED)  # its joiners ask again
     store.compare_set(f"gen/{current.number}/next", "", agreed.to_json())  # joiners waiting on it ask again
-    _publish(store, agreed)
+    if agreed.rank_of(record.wid) is None:
+        # Taken for dead: the others may have moved on from ``agreed`` already; publishing it again would
+        # make it the job's current generation once more, and joiners would ask a closed one forever.
+        return None
+    _publish(store, agreed)  # its members only: none of them can have closed it yet, they regroup first
     store.set(f"gen/{current.number}/state", _CLOSED)
-    return agreed if agreed.rank_of(record.wid) is not None else None
+    return agreed
+
+
+def report_loss() -> None:
+    """Say on the store that this generation lost a member (a member that noticed, before re-forming)."""
+    record = membership()
+    if record.store is not None and record.generation is not None:
+        record.store.set(f"gen/{record.generation.number}/lost", "1")
+
+
+def loss_reported() -> bool:
+    """Whether a member said this generation lost a member: one still waiting in a collective with a member
+    that stopped sending after the loss gives up on it (one store read)."""
+    record = membership()
+    if record.store is None or record.generation is None:
+        return False
+    return record.store.check([f"gen/{record.generation.number}/lost"])
 
 
 def _is_dead(member: dict[str, int], agent_stale: float) -> bool:

@@ -43,8 +43,7 @@ _installed: dict[str, Any] = {}
 
 #: Why a live job restarts from the checkpoint after all: the loss came where it cannot be recovered in memory.
 _LIVE_RESTART = ("; the live job's members restart from it, since the loss broke a collective that cannot be "
-                 "discarded in memory (a sharded model's: the lost member's shards exist only in the checkpoint; "
-                 "or one outside the training steps)")
+                 "discarded in memory (one outside the loader's loops, or a sharded model's on NCCL)")
 
 
 def is_peer_failure(error: BaseException | None) -> bool:

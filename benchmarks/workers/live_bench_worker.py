@@ -2,6 +2,8 @@
 
 ``BENCH_PLAIN=1`` trains the same model with plain DDP and a plain
 ``DataLoader`` + ``DistributedSampler`` under torchrun (the baseline).
+``BENCH_SHARD_SIZE=N`` shards it with ``AdaptiveFSDP`` on an HSDP mesh of
+shard groups of N (``sharding_mesh(N)``) instead of ``AdaptiveDataParallel``.
 """
 import time
 
@@ -61,7 +63,13 @@ def adaptive_job() -> None:
     model, optimizer, data = build()
     with open(os.path.join(OUT, f"start.{os.getpid()}.json"), "w") as handle:  # the script's own start-up is done
         json.dump({"start": T_START, "torch": T_TORCH, "built": time.time()}, handle)
-    model = adaptive.AdaptiveDataParallel(model, optimizer)
+    if os.environ.get("BENCH_SHARD_SIZE"):
+        from adaptive.parallel import sharding_mesh
+
+        mesh = sharding_mesh(int(os.environ["BENCH_SHARD_SIZE"]))
+        model = adaptive.AdaptiveFSDP(model, optimizer, mesh=mesh, shard="root")
+    else:
+        model = adaptive.AdaptiveDataParallel(model, optimizer)
     loader = adaptive.AdaptiveDataLoader(data, batch_size=64, shuffle=True)
     steps = 0
     with open(os.path.join(OUT, f"steps.{os.getpid()}.jsonl"), "a") as handle:

@@ -11,7 +11,8 @@ Environment knobs (all optional but WORKER_OUT):
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step:
 its rank, the world size, the mesh shape and the live generation then, the
 epoch, the loader's step, its sample indices, and digests of the whole
-(gathered) model and optimizer state before and after the step.  A
+(gathered) model and optimizer state before and after the step, and whether
+the step was discarded (a member was lost during it).  A
 membership change that keeps the state exact shows as a step whose
 "before" digest equals the "after" digest of the step before it, across
 generations.  Rank 0 appends each epoch's per-sample counts to
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import adaptive
 from adaptive.parallel import sharding_mesh
 from adaptive.runtime import membership
+from adaptive.runtime import step as step_records
 from worker_common import BlockDataset, BlockStack, append_jsonl, record_done, record_epoch, run_main, state_digest
 
 OUT = os.environ["WORKER_OUT"]
@@ -79,7 +81,8 @@ def main():
                                "world": dist.get_world_size(), "mesh": list(model.mesh.shape),
                                "generation": membership.generation_number(), "epoch": epoch, "step": loader.step,
                                "indices": index.tolist(), "before": before,
-                               "after": full_digest(model, optimizer, scheduler)})
+                               "after": full_digest(model, optimizer, scheduler),
+                               "discarded": step_records.faulted()})
             time.sleep(STEP_SLEEP)
         record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
     record_done(OUT, loader, int(model.module.steps))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from adaptive.goodput.noise_estimate import BatchConfig, Measurement
+from adaptive.runtime import collectives
 
 __all__ = ["StepRecord"]
 
@@ -37,8 +38,8 @@ class StepRecord:
 
     def read(self) -> Measurement:
         """The measurement on the host: waits for the all-reduce, then one copy."""
-        if self.work is not None:
-            self.work.wait()
+        if self.work is not None:  # in live mode a lost peer another member reported ends the wait too
+            collectives.wait(self.work, "the noise-scale all-reduce")
         parts = [self.big, self.local, self.prev, self.cross, self.scale, self.prev_scale]
         device = self.big.device
         present = [p.reshape(-1).to(device, torch.float32) for p in parts if p is not None]
