@@ -79,13 +79,12 @@ def gather_full(state_dict: Any, dst: int) -> Any:
 
 def _layout(full: Any) -> Any:
     """``full`` with each tensor that is sharded in ``target`` replaced by its shape and dtype."""
-    if isinstance(full, dict):
-        return {key: _layout(item) for key, item in full.items()}
-    if isinstance(full, (list, tuple)):
-        return type(full)(_layout(item) for item in full)
-    if isinstance(full, torch.Tensor) and full.dim() > 0:
-        return _Sharded(tuple(full.shape), full.dtype)
-    return full  # scalars (an optimizer's step) and plain values travel with the layout
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return _Sharded(tuple(value.shape), value.dtype)
+        return value  # scalars (an optimizer's step) and plain values travel with the layout
+
+    return _map_leaves(full, leaf)
 
 
 def fill_from_rank0(target: Any, full: Any) -> Any:
@@ -197,12 +196,10 @@ def _shard_position(value: DTensor) -> tuple[int | None, int]:
 
 
 def _local_shards(snapshot: Any) -> list[_LocalShard]:
-    """The :class:`_LocalShard` leaves of ``snapshot``, in the order of a depth-first walk."""
-    if isinstance(snapshot, dict):
-        return [leaf for item in snapshot.values() for leaf in _local_shards(item)]
-    if isinstance(snapshot, (list, tuple)):
-        return [leaf for item in snapshot for leaf in _local_shards(item)]
-    return [snapshot] if isinstance(snapshot, _LocalShard) else []
+    """The :class:`_LocalShard` leaves of ``snapshot``, in the order of :func:`_map_leaves`'s walk."""
+    found: list[_LocalShard] = []
+    _map_leaves(snapshot, lambda value: found.append(value) if isinstance(value, _LocalShard) else None)
+    return found
 
 
 def gather_from_snapshots(snapshot: Any, dst: int = 0) -> Any:
@@ -228,7 +225,7 @@ def gather_from_snapshots(snapshot: Any, dst: int = 0) -> Any:
     group = collectives.control_group()
     sends = sorted({holder for holder in holders if holder != dst})
     if rank in holders and rank != dst:
-        for dtype in _dtypes(leaves):
+        for dtype in _in_order({leaf.tensor.dtype for leaf in leaves}):
             flat = torch.cat([leaf.tensor.reshape(-1) for leaf in leaves if leaf.tensor.dtype == dtype])
             torch.distributed.send(flat, group_dst=dst, group=group)
     if rank != dst:
@@ -255,14 +252,15 @@ def _holders(positions: list[tuple[int | None, int]]) -> list[int]:
     return [holders[index] for index in range(count)]
 
 
-def _dtypes(leaves: list[_LocalShard]) -> list[torch.dtype]:
-    return sorted({leaf.tensor.dtype for leaf in leaves}, key=str)
+def _in_order(dtypes: set[torch.dtype]) -> list[torch.dtype]:
+    """``dtypes`` in the one order every member sends and receives them in (a message per dtype)."""
+    return sorted(dtypes, key=str)
 
 
 def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int, group: Any) -> list[torch.Tensor]:
     """``holder``'s local shards, one message per dtype, split back into tensors of ``shapes``."""
     tensors: list[torch.Tensor | None] = [None] * len(shapes)
-    for dtype in sorted({dtype for _, dtype in shapes}, key=str):
+    for dtype in _in_order({dtype for _, dtype in shapes}):
         which = [i for i, (_, kind) in enumerate(shapes) if kind == dtype]
         sizes = [int(torch.Size(shapes[i][0]).numel()) for i in which]
         flat = torch.empty(sum(sizes), dtype=dtype)

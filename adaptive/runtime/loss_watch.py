@@ -88,9 +88,6 @@ def _release_all() -> None:
         released = list(_pending.values())
         _pending.clear()
     for future, fallback in released:
-        value = fallback()
-        with _lock:
-            if not future.done():
-                future.set_result(value)
+        complete_once(future, fallback())
     if released:
         logger.warning("a member reported a lost peer: %d collective(s) in flight were given up", len(released))
