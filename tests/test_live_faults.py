@@ -265,15 +265,19 @@ def test_one_of_three_members_lost_while_they_train_flat_out(jobs, tmp_path):
     out the collective timeout for data that a member which saw the loss first stopped sending), and the
     killed worker's replacement joins them."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = dict(SETTINGS, WORKER_STEP_SLEEP="0.01", WORKER_EPOCHS="3", WORKER_BATCH="6")  # 80 steps an epoch
+    settings = dict(SETTINGS, WORKER_STEP_SLEEP="0.01", WORKER_EPOCHS="3", WORKER_BATCH="6",  # 80 steps an epoch
+                    WORKER_LOADER_WORKERS="1", WORKER_EVAL="1")  # loader workers, a barrier, validation
     launchers = [launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **settings)
                  for name in ("first", "second", "third")]
     records = wait_steps(out, lambda rs: any(r["world"] == 3 and r["epoch"] == 1 and r["step"] >= 20 for r in rs),
                          "three members to train into the second epoch")
     pids = {r["rank"]: r["pid"] for r in records if r["world"] == 3}
+    loader_workers = [child.pid for child in psutil.Process(pids[1]).children(recursive=True)]
+    assert loader_workers, "the killed worker had no DataLoader worker processes"
     killed = time.time()
     os.kill(pids[1], signal.SIGKILL)
     for launcher in launchers:
         assert wait_exit(launcher, 150, out / "first.log") == 0, logs(out)
     check_after_rollbacks(out, epochs=3)
     _check_survivors(out, {pids[0], pids[2]}, pids[1], killed)
+    assert live_pids(loader_workers) == [], "the killed worker's DataLoader workers outlived it"
