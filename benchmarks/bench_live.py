@@ -16,8 +16,10 @@ Adam; ``--quick``: 0.5M) on one live node, then:
    again, which the pause does not count) and the time until the killed
    worker's restart trains with it again;
 4. **steady state**: the median step time with two members against plain
-   DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), measured
-   in the same run.
+   DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), and
+   against the same script under plain ``torchrun`` without ``--live`` (so
+   that what live mode adds is told apart from what the library's noise
+   scale and loader cost), all measured in the same run.
 
 When ``import torchft`` works (a benchmark-only option: ``pip install
 torchft``; the library never depends on it), each trial also trains the same
@@ -96,8 +98,10 @@ def _steps(out: Path) -> dict[int, list[dict]]:
 
 
 def _environment(out: Path, width: int, **extra: str) -> dict[str, str]:
+    """The workers' environment; gloo's traffic stays on the loopback interface."""
     return dict(os.environ, WORKER_OUT=str(out), ADAPTIVE_CHECKPOINT_PATH=str(out / "ckpt"), BENCH_WIDTH=str(width),
                 OMP_NUM_THREADS="1", ADAPTIVE_COLLECTIVE_TIMEOUT="30", ADAPTIVE_CHECKPOINT_INTERVAL="2",
+                GLOO_SOCKET_IFNAME="lo",
                 PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **extra)
 
 
@@ -180,10 +184,11 @@ def live_trial(width: int) -> dict:
                     proc.wait()
 
 
-def plain_trial(width: int) -> dict:
+def torchrun_trial(width: int, plain: bool) -> dict:
+    """The median step time of 2 processes under plain torchrun: plain DDP, or the library without ``--live``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        env = _environment(out, width, BENCH_PLAIN="1", BENCH_STEPS="80")
+        env = _environment(out, width, BENCH_PLAIN="1" if plain else "0", BENCH_STEPS="80")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
         proc = _start(cmd, env, out / "log.txt")
         try:
@@ -192,7 +197,8 @@ def plain_trial(width: int) -> dict:
             kill_process_tree(proc.pid)
         steps = _steps(out)
         times = [s["time"] for s in min(steps.values(), key=len)]
-        return {"step time, plain DDP": statistics.median([b - a for a, b in zip(times, times[1:])][20:])}
+        key = "step time, plain DDP" if plain else "step time, 2 members without --live"
+        return {key: statistics.median([b - a for a, b in zip(times, times[1:])][20:])}
 
 
 def torchft_status() -> str | None:
@@ -210,7 +216,7 @@ def torchft_trial(width: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         port = portpicker.pick_unused_port()
-        env = _environment(out, width, GLOO_SOCKET_IFNAME="lo", RUST_LOG="warn", TORCHFT_LIGHTHOUSE_PORT=str(port),
+        env = _environment(out, width, RUST_LOG="warn", TORCHFT_LIGHTHOUSE_PORT=str(port),
                            TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
                            TORCHFT_HEARTBEAT_TIMEOUT_MS=str(TORCHFT_HEARTBEAT_TIMEOUT_MS))
         procs = [_start([sys.executable, str(TORCHFT_WORKER), "lighthouse"], env, out / "lighthouse.log")]
@@ -311,7 +317,7 @@ def main() -> None:
     missing = "not run" if args.no_torchft else torchft_status()
     runs, torchft_runs = [], []
     for _ in range(trials):
-        runs.append({**plain_trial(width), **live_trial(width)})
+        runs.append({**torchrun_trial(width, plain=True), **torchrun_trial(width, plain=False), **live_trial(width)})
         if missing is None:
             torchft_runs.append(torchft_trial(width))
     good = [run for run in runs if "failed" not in run]
@@ -319,6 +325,10 @@ def main() -> None:
     median = {key: statistics.median(run[key] for run in good) for key in keys}
     if good:
         median["steady state live / plain DDP"] = median["step time, 2 live members"] / median["step time, plain DDP"]
+        median["steady state without --live / plain DDP"] = (median["step time, 2 members without --live"]
+                                                              / median["step time, plain DDP"])
+        median["steady state live / without --live"] = (median["step time, 2 live members"]
+                                                         / median["step time, 2 members without --live"])
     plain = [run["step time, plain DDP"] for run in runs if "step time, plain DDP" in run]
     torchft = missing or _torchft_summary(torchft_runs, statistics.median(plain) if plain else None)
     params = 2 * width * width + 10 * width + 2 * width + 10

@@ -84,6 +84,18 @@ def check_after_rollbacks(out: Path, epochs: int) -> None:
     last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
     assert sorted(last) == list(range(epochs))
     assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values()), last
+    # A member that went back to a snapshot drew, in the steps it trained again, what it drew the first time.
+    replayed = replayed_draws(out)
+    assert all(len(set(values)) == 1 for values in replayed.values()), replayed
+
+
+def replayed_draws(out: Path) -> dict[tuple[int, int, int], list[float]]:
+    """The random numbers each process drew at the steps it trained more than once (after a rollback), by
+    (pid, epoch, step), in the order it trained them."""
+    draws: dict[tuple[int, int, int], list[float]] = collections.defaultdict(list)
+    for record in steps(out):
+        draws[(record["pid"], record["epoch"], record["step"])].append(record["draw"])
+    return {key: values for key, values in draws.items() if len(values) > 1}
 
 
 def check_steps(out: Path, epochs: int) -> dict[tuple[int, int], list[dict]]:

@@ -100,12 +100,14 @@ class _Work:
 
 def test_a_live_wait_goes_on_through_slices_and_ends_when_a_member_reported_a_loss(job, monkeypatch):
     """In live mode a collective is waited for in slices: it may take several; a failure is an error; and one
-    that another member will never complete (it reported a lost peer and re-forms) ends the wait."""
+    that another member will never complete (it reported a lost peer and re-forms) ends the wait. The loss
+    looked for is that of the generation the wait began in (a wait in a background thread may outlive it)."""
     from adaptive.runtime import membership
 
     monkeypatch.setattr(membership, "is_live", lambda: True)
-    reported = []
-    monkeypatch.setattr(membership, "loss_reported", lambda: bool(reported))
+    monkeypatch.setattr(membership, "generation_number", lambda: 5)
+    reported, asked = [], []
+    monkeypatch.setattr(membership, "loss_reported", lambda number=None: asked.append(number) or bool(reported))
     slow = _Work(slices=3)
     collectives.wait(slow, "test")
     assert slow.waits == 4
@@ -116,6 +118,7 @@ def test_a_live_wait_goes_on_through_slices_and_ends_when_a_member_reported_a_lo
     with pytest.raises(collectives.CollectiveError, match="another member reported a lost peer"):
         collectives.wait(stuck, "test")
     assert stuck.waits == 1
+    assert set(asked) == {5}
 
 
 def test_a_future_torch_waits_for_is_given_up_once_a_member_reports_a_loss(job, monkeypatch):

@@ -19,7 +19,7 @@ import portpicker
 
 from elastic_harness import live_pids, wait_exit, wait_for
 from live_harness import BATCH, LIVE_WORKER, REPO, SAMPLES, check_after_rollbacks, check_steps, exits, launch, logs
-from live_harness import steps, wait_steps
+from live_harness import replayed_draws, steps, wait_steps
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 
@@ -89,6 +89,7 @@ def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jo
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
 
     check_after_rollbacks(out, epochs=3)
+    assert any(pid == survivor for pid, _, _ in replayed_draws(out)), "the survivor trained no step again"
     assert live_pids([victim]) == []
     after = [r for r in steps(out) if r["time"] > killed]
     assert any(r["pid"] == survivor and r["world"] == 1 for r in after), "the survivor did not train alone"

@@ -14,14 +14,17 @@ import collections
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import portpicker
+import psutil
 import pytest
 
 from elastic_harness import live_pids, wait_exit
-from live_harness import SAMPLES, exits, jobs, launch, logs, steps, wait_steps  # noqa: F401 (jobs: a fixture)
+from live_harness import SAMPLES, exits, jobs, launch, logs, replayed_draws, steps, wait_steps  # noqa: F401 (jobs)
 
 REPO = Path(__file__).resolve().parent.parent
 FSDP_WORKER = REPO / "tests" / "workers" / "live_fsdp_worker.py"
@@ -125,29 +128,51 @@ def _newest(out: Path) -> list[list[dict]]:
 @pytest.mark.slow
 @pytest.mark.ci_sample
 def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
-    """HSDP (2, 2): SIGKILL of one worker of the second node. Every replica group holds every shard, so the
-    three that are left keep their PIDs, join a whole copy from their snapshots, reshard for three and go
-    on; the killed worker's launcher starts it again and it joins. Each step as last trained starts from the
-    state the step before it ended with (an unbroken chain across the rollback), every sample once."""
+    """HSDP (2, 2), with a DataLoader worker per rank, rank 0 preparing the data behind a barrier and a
+    validation loop per epoch: SIGKILL of one worker of the second node. Every replica group holds every
+    shard, so the three that are left keep their PIDs, join a whole copy from their snapshots, reshard for
+    three and go on; the killed worker (and its DataLoader worker) is gone, its launcher starts it again and
+    it joins. Then the second node leaves (SIGTERM to its launcher) and the first goes on alone. Each step as
+    last trained starts from the state the step before it ended with (an unbroken chain across the rollback
+    and both changes), every sample once per epoch in training and in validation, and the steps trained
+    again drew the random numbers they drew the first time."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = _settings(WORKER_SHARD_SIZE="2", WORKER_EPOCHS="4", WORKER_STEP_SLEEP="0.15",
+    epochs = 6
+    settings = _settings(WORKER_SHARD_SIZE="2", WORKER_EPOCHS=str(epochs), WORKER_STEP_SLEEP="0.15",
+                         WORKER_LOADER_WORKERS="1", WORKER_EVAL="1",
                          ADAPTIVE_LIVE_SNAPSHOT_INTERVAL="0.5", ADAPTIVE_CHECKPOINT_INTERVAL="0")
     first = launch(jobs, out, port, "first", per_node=2, restarts=2, script=FSDP_WORKER, ADAPTIVE_LIVE_MIN="4",
                    **settings)
     second = launch(jobs, out, port, "second", per_node=2, restarts=2, script=FSDP_WORKER, **settings)
     records = wait_steps(out, lambda rs: sum(r["world"] == 4 for r in rs) >= 24, "four members to train")
     before = {r["rank"]: r["pid"] for r in records if r["world"] == 4}
-    victim = before[3]
+    first_node = {child.pid for child in psutil.Process(first.pid).children()} & set(before.values())
+    second_node = {child.pid for child in psutil.Process(second.pid).children()} & set(before.values())
+    assert len(first_node) == len(second_node) == 2, (first_node, second_node, before)
+    victim = max(second_node)
+    victim_loader_workers = [child.pid for child in psutil.Process(victim).children()]
+    assert victim_loader_workers, "the worker has no DataLoader worker process"
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
+    rejoined = wait_steps(out, lambda rs: any(r["time"] > killed and r["world"] == 4 and r["pid"] not in
+                                              before.values() for r in rs), "the killed worker's restart to join")
+    assert max(r["epoch"] for r in rejoined) < epochs - 1, "too little training left for the leave"
+    left = time.time()
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
     assert wait_exit(first, 150, out / "first.log") == 0, logs(out)
-    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
-    assert live_pids([victim]) == []
+
+    assert live_pids([victim] + victim_loader_workers) == []
     after = [r for r in steps(out) if r["time"] > killed and not r["discarded"]]
-    survivors = {pid for rank, pid in before.items() if rank != 3}
+    survivors = set(before.values()) - {victim}
     assert {r["pid"] for r in after if r["world"] == 3} == survivors, "the members that were left did not go on"
-    assert any(r["pid"] not in before.values() and r["world"] == 4 for r in after), "no worker rejoined"
-    assert all(exits(out)[pid] == 0 for pid in survivors), "a member that was left was restarted"
+    replacement = {r["pid"] for r in after if r["pid"] not in before.values()}
+    assert len(replacement) == 1, f"not one worker rejoined: {replacement}"
+    ended = exits(out)
+    assert all(ended[pid] == 0 for pid in first_node), "a member of the first node was restarted"
+    assert all(ended[pid] == 143 for pid in (second_node | replacement) - {victim}), \
+        "the second node's workers did not leave in their own processes"
+    assert {r["pid"] for r in steps(out) if r["time"] > left + 10} <= first_node
     said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
     assert "back to the snapshot" in said and "restarting from the checkpoint" not in said
     previous_after = None
@@ -157,10 +182,16 @@ def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
         assert previous_after is None or first_record["before"] == previous_after, \
             f"step {first_record['epoch']}/{first_record['step']} does not start from the state before it"
         previous_after = first_record["after"]
-    for epoch in range(4):
+    assert [tuple(trained[0]["mesh"]) for trained in _newest(out)][-1] == (1, 2)
+    for epoch in range(epochs):
         seen = collections.Counter(i for trained in _newest(out) if trained[0]["epoch"] == epoch
                                    for r in trained for i in r["indices"])
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch} is not exact"
+    validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in validation] == list(range(epochs)), validation
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
+    replayed = replayed_draws(out)
+    assert replayed and all(len(set(draws)) == 1 for draws in replayed.values()), replayed
 
 
 @pytest.mark.slow
@@ -179,8 +210,9 @@ def test_a_lost_member_of_a_sharded_job_restarts_everyone_from_the_checkpoint(jo
     os.kill(victim, signal.SIGKILL)
     assert wait_exit(first, 150, out / "first.log") == 0, logs(out)
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
-    assert live_pids([victim]) == []
+    assert live_pids([victim, survivor]) == [], "the survivor's process was not ended for the restart"
     assert exits(out)[survivor] == 1, "the survivor did not take the restart path"
+    assert any(r["pid"] not in (victim, survivor) for r in steps(out)), "no restarted worker trained"
     said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
     assert "were held only by the members that were lost" in said  # the log says why every member restarted
     epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
@@ -199,3 +231,34 @@ def test_the_shards_left_are_found_or_the_loss_is_reported_on_every_member():
         _holders([(0, 2), (None, 0)])
     with pytest.raises(ShardsLost, match="not sharded as FSDP2"):
         _holders([(0, 2), (0, 3)])
+
+
+def test_a_mesh_built_for_a_new_generation_is_not_mistaken_for_an_equal_one_of_an_earlier_generation():
+    """DeviceMesh compares equal by layout, whatever groups it names, and DTensor caches operations' output
+    sharding: an operation on a DTensor of a new generation's mesh came back on the earlier generation's mesh
+    (whose groups are gone). Building a live job's mesh empties those caches first. (In a fresh interpreter:
+    the two generations' default groups are its own.)"""
+    script = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from adaptive.parallel import _sharding
+
+def generation():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+
+earlier = generation()
+distribute_tensor(torch.ones(4), earlier, [Shard(0)]).detach()  # the operation's output sharding is cached
+dist.destroy_process_group()
+later = generation()
+assert later == earlier and later is not earlier
+tensor = distribute_tensor(torch.ones(4), later, [Shard(0)])
+print("stale", tensor.detach().device_mesh is earlier)  # what torch does on its own
+_sharding._forget_earlier_meshes()
+print("fresh", tensor.detach().device_mesh is later)
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["stale", "True", "fresh", "True"], done.stdout

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from adaptive.checkpoint import _format, _safe_load
 from adaptive.checkpoint.generation import StaleGenerationError
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
-from adaptive.runtime import collectives, env, membership
+from adaptive.runtime import broken_groups, collectives, env, membership
 from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.observe import metrics
 
@@ -88,7 +88,10 @@ class _Pending:
         self.seq = save.seq
         self.result: int | None = None
         self.error: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(save, group), name=f"adaptive-save-{save.seq}")
+        # A daemon: the exit waits for a save in flight through _wait_at_exit, but not for one abandoned after a
+        # lost member (abandon_pending_save), whose collectives may wait for a peer until the timeout.
+        self.thread = threading.Thread(target=self._run, args=(save, group), name=f"adaptive-save-{save.seq}",
+                                       daemon=True)
 
     def _run(self, save: _Save, group: Any) -> None:
         try:
@@ -280,6 +283,7 @@ def abandon_pending_save() -> int | None:
     checkpoint stays the latest.  The next save builds its group anew.
     """
     session = _session()
+    broken_groups.keep(session.save_group, timeout=env.collective_timeout())  # not destroyed: see broken_groups
     pending, session.pending_save, session.save_group = session.pending_save, None, None
     if pending is None or not pending.thread.is_alive():
         return None

@@ -529,11 +529,16 @@ class AdaptiveDataLoader:
                     plan = self._start_plan(plan_key)
                 step = next(plan.steps, None)
                 if step is None:
+                    sync_points.final_boundary(self._checkpoint_metadata)
+                    if faulted():  # live mode: a member was lost at the loop's end; back to the snapshot
+                        continue
                     break
                 if not first and not plan.steps.has_next():
                     # A stop known now is taken before the loop's last step, so that a replay runs
                     # that step (and the loop body that binds its variables) again.
-                    sync_points.settle(self._checkpoint_metadata)
+                    sync_points.settle(self._checkpoint_metadata, recoverable=True)
+                    if faulted():  # live mode: a member was lost here; back to the snapshot
+                        continue
                 self._begin_step(step)
                 count = step.num_micro_steps
                 for micro in range(count):
@@ -565,8 +570,6 @@ class AdaptiveDataLoader:
         self._mark_finished(key)
         if epoch.training_finished():  # finish_training() in the loop body: checkpointed, nothing left to agree on
             epoch.save_pending_finish()
-        else:
-            sync_points.final_boundary(self._checkpoint_metadata)
 
     def _where(self) -> tuple[Any, ...]:
         """The loop in progress (live mode: a snapshot is good for its own loop only)."""

@@ -181,6 +181,7 @@ class _Snapshot:
     where: tuple[Any, ...] | None = None  # the loop it was taken in: (epoch, loader, loop)
     contents: dict[str, Any] = dataclasses.field(default_factory=dict)
     shards: dict[str, Any] = dataclasses.field(default_factory=dict)  # sharded states: this rank's shards
+    generators: dict[str, Any] | None = None  # this process's random generators (random_state.capture_local)
     taken_at: float | None = None  # monotonic
 
 
@@ -207,9 +208,11 @@ def snapshot_due() -> bool:
 def take_snapshot(where: tuple[Any, ...]) -> None:
     """Copy every state in memory at an agreed boundary of loop ``where``; collective (each state's ``sync()``).
 
-    The random generators are not kept: a step trained again after a loss
-    draws new numbers, as after a rescale.  A sharded state keeps this
-    rank's shards (:func:`adaptive.checkpoint.states.snapshot_sharded_states`).
+    Each process also keeps its own random generators, so that a step
+    trained again after a loss draws the numbers it drew the first time (its
+    dropout masks, its random augmentation in the training process).  A
+    sharded state keeps this rank's shards
+    (:func:`adaptive.checkpoint.states.snapshot_sharded_states`).
     """
     if not membership.is_live() or snapshot_interval() <= 0:
         return
@@ -225,6 +228,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered
                          if state.name != random_state.NAME}
     snapshot.shards = states.snapshot_sharded_states()
+    snapshot.generators = random_state.capture_local()
     snapshot.where, snapshot.taken_at = where, time.monotonic()
 
 
@@ -269,6 +273,8 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
         for state in states.registered_states():
             if state.name in snapshot.contents:
                 state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
+        if snapshot.generators is not None:
+            random_state.restore_local(snapshot.generators)
     step_records.stream().fault = None
     if shards:
         try:

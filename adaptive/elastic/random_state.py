@@ -26,6 +26,12 @@ numpy and Python generators re-seeded from them and ``r``, so that no two
 ranks draw the same numbers. A replay after a rescale is deterministic but
 not that of the uninterrupted run, whose ranks were others.
 
+**Live mode.** A live job's in-memory snapshots (:mod:`adaptive.elastic.live`)
+keep each process's own generators (:func:`capture_local`), and the members
+left after a loss put theirs back (:func:`restore_local`) with the other
+states, so the steps they train again draw the numbers they drew the first
+time.
+
 DataLoader worker processes seed themselves from the loader's own generator
 (see :mod:`adaptive.data.dataloader`), not from these: random augmentation
 in workers is deterministic per (seed, epoch, loop, resume position), and
@@ -46,7 +52,7 @@ from adaptive.checkpoint import states
 from adaptive.runtime import collectives, env
 from adaptive.runtime.job import current_job
 
-__all__ = ["RandomState", "random_state", "restore_at"]
+__all__ = ["RandomState", "random_state", "restore_at", "capture_local", "restore_local"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,7 @@ logger = logging.getLogger(__name__)
 NAME = "adaptive.random_state"
 
 
-def _capture() -> dict[str, Any]:
+def capture_local() -> dict[str, Any]:
     """This process's generator states, as plain safely-loadable values."""
     # legacy=True is the default, spelled out: numpy's stubs type a call without it as the dict form.
     numpy_state = np.random.get_state(legacy=True)
@@ -71,7 +77,7 @@ def _capture() -> dict[str, Any]:
     return captured
 
 
-def _apply(saved: dict[str, Any], reseed: int | None = None) -> None:
+def restore_local(saved: dict[str, Any], reseed: int | None = None) -> None:
     """Set this process's generators to ``saved`` (then re-seed them from ``reseed`` for a new rank)."""
     torch.set_rng_state(saved["torch"])
     numpy_state = saved["numpy"]
@@ -105,10 +111,10 @@ class RandomState(states.State):
 
     def sync(self) -> None:
         """Collective: gather every rank's generator states (rank 0 writes them)."""
-        self._gathered = collectives.allgather_object(_capture())
+        self._gathered = collectives.allgather_object(capture_local())
 
     def state_dict(self) -> dict[str, Any]:
-        ranks = self._gathered if self._gathered is not None else [_capture()]
+        ranks = self._gathered if self._gathered is not None else [capture_local()]
         return {"version": self.version, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -127,11 +133,11 @@ class RandomState(states.State):
         if self._joined_generation is not None:
             # A live joiner: the saved ranks' generators still run in the members that stayed (maybe under
             # other ranks), so it draws its own numbers, seeded from saved rank 0's, the generation and its rank.
-            _apply(saved[0], reseed=(int(self._joined_generation) << 20) + rank)
+            restore_local(saved[0], reseed=(int(self._joined_generation) << 20) + rank)
         elif rank < count:
-            _apply(saved[rank])
+            restore_local(saved[rank])
         else:
-            _apply(saved[0], reseed=rank)
+            restore_local(saved[0], reseed=rank)
         logger.debug("restored the random generators of rank %d (saved by %d ranks) where the %s resumes", rank,
                      count, where)
 

@@ -434,17 +434,24 @@ def settle(metadata: Callable[[], dict[str, Any]] | None = None, *, recoverable:
 
 
 def final_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
-    """Call on every replica when a loop has taken its last step.
+    """Call on every replica when a loop has taken its last step (the loader, before the loop ends).
 
     The agreement in flight is settled, but a stop it carries is *not* acted
     on here: the loop is finished, and stopping now would skip the code after
-    the loop on replay.  The decision waits for the next settle point.
+    the loop on replay.  The decision waits for the next settle point.  In
+    live mode a lost peer is recorded on the step, as at
+    :func:`step_boundary`: the members re-form and train the loop's last
+    steps again; elsewhere it ends the process.
     """
     agreement = _agreement()
     agreement.metadata = metadata
     previous, agreement.pending = agreement.pending, None
-    if previous is not None:
-        _settle(previous)
+    if previous is not None and not step_records.faulted():
+        try:
+            _settle(previous, recoverable=True)
+        except collectives.CollectiveError as error:
+            _record_loss(error)
+            return
     restart_spacing()
 
 

@@ -132,11 +132,34 @@ def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
 def _mesh(kind: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``init_device_mesh``; in live mode on gloo its groups record a lost peer instead of raising
     (:mod:`adaptive.runtime.fault_tolerant_group`), so the survivors can discard the step and go on."""
+    if membership.is_live():
+        _forget_earlier_meshes()
     if not fault_tolerant_group.applies(kind):
         return init_device_mesh(kind, shape, mesh_dim_names=names)
     fault_tolerant_group.register()
     return init_device_mesh(kind, shape, mesh_dim_names=names,
                             backend_override={name: fault_tolerant_group.BACKEND for name in names})
+
+
+def _forget_earlier_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches before a live job builds a mesh for a new generation.
+
+    A DeviceMesh compares equal to another of the same layout whatever
+    process groups it names, and DTensor caches the output sharding of each
+    operation by its inputs' sharding, mesh included.  A mesh of this
+    generation laid out as one of an earlier generation would then find that
+    mesh in the cache: the outputs of operations (the state-dict copies a
+    reshard fills, among others) would name the earlier generation's groups,
+    which are gone, or are another group of the same name now.  Seen as
+    "Could not resolve the process group registered under the name 3" when
+    an HSDP job went back to its first layout (2, 2) -> (1, 3) -> (2, 2).
+    The caches fill again within a step.
+    """
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()  # the Python cache
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ (newer torch)
+    if clear_native is not None:
+        clear_native()
 
 
 def is_fault_tolerant(mesh: DeviceMesh) -> bool:

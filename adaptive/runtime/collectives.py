@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from adaptive.runtime import env, launch_status, membership, peer_failure
+from adaptive.runtime import broken_groups, env, launch_status, membership, peer_failure
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import ProcessGroups, current_job
 
@@ -151,7 +151,9 @@ def regroup(following: membership.Generation, *, broken: bool = False) -> None:
     Every member of the old generation must have finished its collectives on
     the old groups (the caller agreed on the change at a step boundary),
     unless the old group is ``broken`` (a peer was lost): then nothing more
-    is waited for on it.  The listeners of
+    is waited for on it, and its groups are kept rather than destroyed
+    (:mod:`adaptive.runtime.broken_groups`: destroying one would wait for
+    collectives that only end at the timeout).  The listeners of
     :func:`adaptive.runtime.membership.on_regroup` are told once the new
     groups exist.
     """
@@ -161,6 +163,8 @@ def regroup(following: membership.Generation, *, broken: bool = False) -> None:
         groups.executor = None
     backend = dist.get_backend()
     delta = datetime.timedelta(seconds=groups.timeout or env.collective_timeout())
+    if broken:
+        broken_groups.keep(dist.group.WORLD, groups.control, groups.asynchronous, timeout=delta.total_seconds())
     dist.destroy_process_group()
     groups.control = groups.asynchronous = None
     groups.retained.clear()
@@ -250,6 +254,7 @@ def wait(work: Any, what: str) -> None:
         except (RuntimeError, dist.DistError) as error:
             raise _wrap_failure(what, error) from error
         return
+    generation = membership.generation_number()  # the members may re-form meanwhile (a background wait)
     while True:
         try:
             work.wait(timeout=_WAIT_SLICE)
@@ -257,7 +262,7 @@ def wait(work: Any, what: str) -> None:
         except (RuntimeError, dist.DistError) as error:
             if work.is_completed():  # failed, rather than not finished within the slice
                 raise _wrap_failure(what, error) from error
-        if membership.loss_reported():
+        if membership.loss_reported(generation):
             raise _wrap_failure(what, CollectiveError("another member reported a lost peer"))
 
 

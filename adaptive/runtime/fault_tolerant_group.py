@@ -21,7 +21,9 @@ slices, and between them the wait ends as a recorded loss once a member
 said on the store that it is re-forming
 (:func:`adaptive.runtime.membership.report_loss`), so the whole group
 reaches the re-formation.  :func:`close_all`, which every member that is
-left calls then, makes sure nothing more is sent on the old groups.
+left calls then, makes sure nothing more is sent on the old groups; their
+gloo backends are kept, not destroyed, until their collectives time out
+(:mod:`adaptive.runtime.broken_groups`).
 
 DTensor's functional collectives (``full_tensor``, the norm in
 ``clip_grad_norm_``, full state dicts) reach the same methods from C++
@@ -46,7 +48,7 @@ from torch.futures import Future
 
 from torch.distributed.distributed_c10d import GroupName
 
-from adaptive.runtime import collectives, membership, peer_failure, step
+from adaptive.runtime import broken_groups, collectives, membership, peer_failure, step
 from adaptive.runtime.errors import CollectiveError
 
 __all__ = ["BACKEND", "FaultTolerantGroup", "register", "applies", "close_all"]
@@ -75,10 +77,11 @@ _registered = threading.Lock()
 class FaultTolerantGroup(dist.ProcessGroup):
     """A process group over a gloo backend that turns a lost peer into a recorded fault (module docstring)."""
 
-    def __init__(self, backend: Any, rank: int, size: int) -> None:
+    def __init__(self, backend: Any, rank: int, size: int, timeout: float) -> None:
         # torch's Python subclass constructor is (rank, size); its type stubs list only (store, rank, size)
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._backend: Any = backend
+        self._timeout = timeout  # seconds a collective of the backend waits for its peers
         self._name = ""
         self._description = ""
         _open_groups.add(self)
@@ -106,7 +109,13 @@ class FaultTolerantGroup(dist.ProcessGroup):
         return self._backend is None
 
     def close(self) -> None:
-        """Send nothing more on this group (it belongs to a generation that lost a member)."""
+        """Send nothing more on this group (it belongs to a generation that lost a member).
+
+        Its gloo backend is kept rather than destroyed (:mod:`adaptive.runtime.broken_groups`): a collective
+        of it may still wait for a member that gave up, until the timeout.
+        """
+        if self._backend is not None:
+            broken_groups.keep(self._backend, timeout=self._timeout)
         self._backend = None
 
     def shutdown(self) -> None:
@@ -186,7 +195,7 @@ def _absorb(operation: str, error: BaseException) -> Any:
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> FaultTolerantGroup:
-    return FaultTolerantGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size)
+    return FaultTolerantGroup(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, timeout.total_seconds())
 
 
 def register() -> None:

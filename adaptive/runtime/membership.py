@@ -420,13 +420,15 @@ def report_loss() -> None:
         record.store.set(f"gen/{record.generation.number}/lost", "1")
 
 
-def loss_reported() -> bool:
-    """Whether a member said this generation lost a member: one still waiting in a collective with a member
-    that stopped sending after the loss gives up on it (one store read)."""
+def loss_reported(number: int | None = None) -> bool:
+    """Whether a member said generation ``number`` (default: this one) lost a member: one still waiting in a
+    collective with a member that stopped sending after the loss gives up on it (one store read)."""
     record = membership()
-    if record.store is None or record.generation is None:
+    if number is None:
+        number = record.generation.number if record.generation is not None else None
+    if record.store is None or number is None:
         return False
-    return record.store.check([f"gen/{record.generation.number}/lost"])
+    return record.store.check([f"gen/{number}/lost"])
 
 
 def _is_dead(member: dict[str, int], agent_stale: float) -> bool:

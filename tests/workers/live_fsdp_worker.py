@@ -7,11 +7,16 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_EPOCHS       epochs to train (default 2)
     WORKER_SHARD_SIZE   replicas per shard group: a 2-D (replicate, shard) HSDP mesh (default: 1-D mesh)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
+    WORKER_LOADER_WORKERS  DataLoader worker processes per rank, persistent (default 0)
+    WORKER_EVAL         "1": rank 0 prepares the data first behind a barrier, and a validation loop with an
+                        Accumulator created in the epoch runs after each epoch's training (rank 0 appends
+                        its per-sample counts to ``val.jsonl``)
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step:
 its rank, the world size, the mesh shape and the live generation then, the
-epoch, the loader's step, its sample indices, and digests of the whole
-(gathered) model and optimizer state before and after the step, and whether
+epoch, the loader's step, its sample indices, digests of the whole
+(gathered) model and optimizer state before and after the step, a number
+drawn from torch's global generator as the step began, and whether
 the step was discarded (a member was lost during it).  A
 membership change that keeps the state exact shows as a step whose
 "before" digest equals the "after" digest of the step before it, across
@@ -41,6 +46,8 @@ BATCH = int(os.environ.get("WORKER_BATCH", "24"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "2"))
 SHARD_SIZE = os.environ.get("WORKER_SHARD_SIZE")
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
+LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
+EVAL = os.environ.get("WORKER_EVAL") == "1"
 WIDTH = 13  # not a multiple of the replica counts: the shards are uneven
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
@@ -56,20 +63,42 @@ def full_digest(model, optimizer, scheduler):
     return state_digest({"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()})
 
 
+def validate(model, val_loader, epoch):
+    """A validation pass over the whole dataset; rank 0 logs which samples it missed or saw twice."""
+    val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay
+    with torch.no_grad():
+        for x, y, index in val_loader:
+            model(x)
+            val_counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+    with val_counts.synchronized():
+        seen = val_counts["seen"]
+        if dist.get_rank() == 0:
+            append_jsonl(os.path.join(OUT, "val.jsonl"), {
+                "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
+                "extra": int((seen - 1).clip(min=0).sum())})
+
+
 def main():
     adaptive.init_process_group("gloo")
+    if EVAL and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 prepares the data first
+    if EVAL and dist.get_rank() == 0:
+        dist.barrier()
     torch.manual_seed(0)
     model = BlockStack(WIDTH)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None
     model = adaptive.AdaptiveFSDP(model, optimizer, scheduler, mesh=mesh)
-    loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=7)
+    loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=7,
+                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
+    val_loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, name="val") if EVAL else None
     counts = adaptive.Accumulator()
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         for x, y, index in loader:
             before = full_digest(model, optimizer, scheduler)
+            draw = torch.rand(()).item()  # a number the step draws (a dropout mask, say), from the global RNG
             loss = (model(x) - y).pow(2).sum() * loader.loss_weight
             loss.backward()
             optimizer.step()
@@ -82,8 +111,10 @@ def main():
                                "generation": membership.generation_number(), "epoch": epoch, "step": loader.step,
                                "indices": index.tolist(), "before": before,
                                "after": full_digest(model, optimizer, scheduler),
-                               "discarded": step_records.faulted()})
+                               "discarded": step_records.faulted(), "draw": draw})
             time.sleep(STEP_SLEEP)
+        if val_loader is not None:
+            validate(model, val_loader, epoch)
         record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
     record_done(OUT, loader, int(model.module.steps))
 

@@ -24,7 +24,8 @@ Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
 the loader's step, the sample indices of its micro-batches, and a digest of
 the model and optimizer state *before* the step (every member of a step
-must hold the same), and whether the step was discarded (a member was lost
+must hold the same), a number it drew from torch's global generator as it
+began (as a dropout mask would), and whether the step was discarded (a member was lost
 during it: it is trained again after the members re-form).  Rank 0 appends each epoch's per-sample counts (summed
 over the replicas by an Accumulator) to ``epochs.jsonl``, and at the end
 writes ``done.json``.  Each process appends its pid and exit status to
@@ -129,13 +130,14 @@ def main():
     val_loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, name="val") if EVAL else None
     counts = adaptive.Accumulator()
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
-    indices, digest = [], None
+    indices, digest, draw = [], None, None
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         die_before_loop(epoch)
         for x, y, index in loader:
             if digest is None:  # the state this step starts from (before its first micro-batch)
                 digest = state_digest({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                                        "scheduler": scheduler.state_dict()})
+                draw = torch.rand(()).item()  # a number the step draws (a dropout mask, say), from the global RNG
             loss = (model(x) - y).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -148,8 +150,8 @@ def main():
                 append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
                                    "world": dist.get_world_size(), "generation": membership.generation_number(),
                                    "epoch": epoch, "step": loader.step, "indices": indices, "digest": digest,
-                                   "discarded": step_records.faulted()})
-                indices, digest = [], None
+                                   "discarded": step_records.faulted(), "draw": draw})
+                indices, digest, draw = [], None, None
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
             val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay

@@ -1,0 +1,167 @@
+"""Seeded sequences of joins, leaves and kills on one live job (``adaptive-run --live``), checked as a whole.
+
+The other live tests each set up one change; here a seeded random generator
+draws a sequence of them, one after another on the same job, as a cluster
+would deal them:
+
+* **join**: another launcher (a node of one or two workers) starts;
+* **leave**: SIGTERM to a launcher other than the first (which hosts the
+  store); its workers leave at their next agreed step and it exits 143;
+* **kill**: SIGKILL of one worker; its launcher starts it again and it joins;
+* **kill two**: SIGKILL of two workers of different nodes at once;
+* **kill and join**: a SIGKILL and a new launcher at the same moment.
+
+After each change the test waits until the job trains at the size it should
+have, with a process started after the change among the members where one
+was.  At the end every step must have been trained, in its newest
+generation, by all its members from one state, every sample once per epoch;
+the killed PIDs are gone; every worker never killed ended in its own process
+(0, or 143 for those that left); the steps a member trained again after a
+rollback drew the random numbers they drew the first time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import portpicker
+import psutil
+import pytest
+
+from elastic_harness import live_pids, wait_exit
+from live_harness import check_after_rollbacks, exits, launch, logs, steps, wait_steps
+from live_harness import jobs  # noqa: F401  (the fixture)
+
+SETTINGS = {"WORKER_EPOCHS": "20", "WORKER_STEP_SLEEP": "0.05", "WORKER_LOADER_WORKERS": "1",
+            "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5", "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
+EPOCHS = int(SETTINGS["WORKER_EPOCHS"])
+#: Changes per sequence, and the most workers the job may have.
+CHANGES, MOST = 5, 4
+#: Restarts each launcher allows (a kill uses one).
+RESTARTS = 3
+
+
+class Cluster:
+    """The launchers of one live job and what the test did to them."""
+
+    def __init__(self, jobs, out: Path, port: int) -> None:
+        self.jobs, self.out, self.port = jobs, out, port
+        self.nodes: dict[str, dict] = {}  # name -> {"launcher", "workers", "restarts"} of running launchers
+        self.ended: dict[str, tuple] = {}  # name -> (launcher, expected exit status)
+        self.killed: dict[int, float] = {}  # PID -> when it was killed
+        self.left: set[int] = set()  # PIDs of workers that left with their node
+
+    def start(self, workers: int) -> str:
+        name = f"node{len(self.nodes) + len(self.ended)}"
+        launcher = launch(self.jobs, self.out, self.port, name, per_node=workers, restarts=RESTARTS, **SETTINGS)
+        self.nodes[name] = {"launcher": launcher, "workers": workers, "restarts": RESTARTS}
+        return name
+
+    def size(self) -> int:
+        return sum(node["workers"] for node in self.nodes.values())
+
+    def worker_pids(self, name: str) -> list[int]:
+        return [child.pid for child in psutil.Process(self.nodes[name]["launcher"].pid).children()
+                if "live_worker" in " ".join(child.cmdline())]
+
+    def kill_one(self, name: str, rng: random.Random) -> int:
+        pid = rng.choice(self.worker_pids(name))
+        os.kill(pid, signal.SIGKILL)
+        self.nodes[name]["restarts"] -= 1
+        self.killed[pid] = time.time()
+        return pid
+
+    def leave(self, name: str) -> None:
+        node = self.nodes.pop(name)
+        self.left.update(child.pid for child in psutil.Process(node["launcher"].pid).children()
+                         if "live_worker" in " ".join(child.cmdline()))
+        node["launcher"].send_signal(signal.SIGTERM)
+        self.ended[name] = (node["launcher"], 143)
+
+
+def _changes(cluster: Cluster, rng: random.Random) -> list[str]:
+    """The changes that can be dealt now."""
+    size, can_kill = cluster.size(), [n for n, node in cluster.nodes.items() if node["restarts"] > 0]
+    possible = []
+    if size < MOST:
+        possible.append("join")
+    if len(cluster.nodes) > 1:
+        possible.append("leave")
+    if size > 1 and can_kill:
+        possible.append("kill")
+    if size > 2 and len(can_kill) > 1:
+        possible.append("kill two")
+    if size > 1 and size < MOST and can_kill:
+        possible.append("kill and join")
+    return possible
+
+
+def _deal(cluster: Cluster, change: str, rng: random.Random) -> bool:
+    """Make ``change``; returns whether a new process must be among the members afterwards."""
+    can_kill = sorted(n for n, node in cluster.nodes.items() if node["restarts"] > 0)
+    if change == "join":
+        cluster.start(rng.choice([1, 2]) if cluster.size() <= MOST - 2 else 1)
+    elif change == "leave":
+        cluster.leave(rng.choice(sorted(set(cluster.nodes) - {"node0"})))
+    elif change == "kill":
+        cluster.kill_one(rng.choice(can_kill), rng)
+    elif change == "kill two":
+        for name in rng.sample(can_kill, 2):
+            cluster.kill_one(name, rng)
+    else:  # kill and join
+        cluster.kill_one(rng.choice(can_kill), rng)
+        cluster.start(1)
+    return change != "leave"
+
+
+def _trains_at(out: Path, size: int, since: float, fresh: bool, what: str) -> None:
+    """Wait until three steps after ``since`` were trained at ``size`` members (a process that trained
+    nothing before ``since`` among them when ``fresh``)."""
+    before = {r["pid"] for r in steps(out) if r["time"] <= since}
+
+    def settled(records):
+        at_size = [r for r in records if r["time"] > since and r["world"] == size and not r["discarded"]]
+        if fresh and not any(r["pid"] not in before for r in at_size):
+            return False
+        return len({(r["epoch"], r["step"]) for r in at_size}) >= 3
+
+    wait_steps(out, settled, what, timeout=90)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.ci_sample), *range(1, 12)])
+def test_a_seeded_sequence_of_joins_leaves_and_kills(jobs, tmp_path, seed):
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    rng = random.Random(seed)
+    cluster = Cluster(jobs, out, port)
+    cluster.start(1)
+    cluster.start(1)
+    _trains_at(out, 2, 0.0, False, "two members to train")
+    dealt = []
+    for _ in range(CHANGES):
+        change = rng.choice(_changes(cluster, rng))
+        since = time.time()
+        fresh = _deal(cluster, change, rng)
+        dealt.append((change, cluster.size()))
+        _trains_at(out, cluster.size(), since, fresh, f"the job to train at {cluster.size()} after {dealt}")
+    trained_to = max(r["epoch"] for r in steps(out))
+    assert trained_to < EPOCHS - 1, f"the job was near its end before the changes were dealt: {dealt}"
+
+    for name, (launcher, code) in cluster.ended.items():
+        assert wait_exit(launcher, 60, out / f"{name}.log") == code, f"{dealt}\n{logs(out)}"
+    for name, node in cluster.nodes.items():
+        assert wait_exit(node["launcher"], 180, out / f"{name}.log") == 0, f"{dealt}\n{logs(out)}"
+
+    check_after_rollbacks(out, epochs=EPOCHS)
+    assert live_pids(list(cluster.killed)) == []
+    assert not [r for r in steps(out) if r["time"] > cluster.killed.get(r["pid"], float("inf"))], \
+        "a killed worker logged a step after its kill"
+    trained = {r["pid"] for r in steps(out)}
+    ended = exits(out)
+    for pid in trained - set(cluster.killed):
+        expected = 143 if pid in cluster.left else 0
+        assert ended.get(pid) == expected, f"worker {pid} ended with {ended.get(pid)}, not {expected}: {dealt}"
