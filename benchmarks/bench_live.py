@@ -134,7 +134,7 @@ def live_trial(width: int) -> dict:
             _wait(lambda: sum(len(v) for v in _steps(out).values()) >= 30, 120, "the first node to train")
             (survivor,) = _steps(out)
             second = _start(cmd, env, out / "second.log")
-            _wait(lambda: len([s for s in _steps(out).get(survivor, []) if s["world"] == 2]) >= 40, 120, "the join")
+            _wait(lambda: len([s for s in _steps(out).get(survivor, []) if s["world"] == 2]) >= 240, 120, "the join")
             steps = _steps(out)
             joiner = next(pid for pid in steps if pid != survivor)
             mine = steps[survivor]
@@ -144,7 +144,7 @@ def live_trial(width: int) -> dict:
             start = json.loads((out / f"start.{joiner}.json").read_text())
             joiner_first = steps[joiner][0]["time"] - start["torch"]
             joiner_library = steps[joiner][0]["time"] - start["built"]
-            two = [b["time"] - a["time"] for a, b in zip(mine, mine[1:]) if a["world"] == b["world"] == 2][5:]
+            two = [b["time"] - a["time"] for a, b in zip(mine, mine[1:]) if a["world"] == b["world"] == 2][40:]
             left_at = time.time()
             second.send_signal(signal.SIGTERM)
             second.wait(timeout=60)
@@ -188,7 +188,7 @@ def torchrun_trial(width: int, plain: bool) -> dict:
     """The median step time of 2 processes under plain torchrun: plain DDP, or the library without ``--live``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        env = _environment(out, width, BENCH_PLAIN="1" if plain else "0", BENCH_STEPS="80")
+        env = _environment(out, width, BENCH_PLAIN="1" if plain else "0", BENCH_STEPS="240")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
         proc = _start(cmd, env, out / "log.txt")
         try:
@@ -198,7 +198,7 @@ def torchrun_trial(width: int, plain: bool) -> dict:
         steps = _steps(out)
         times = [s["time"] for s in min(steps.values(), key=len)]
         key = "step time, plain DDP" if plain else "step time, 2 members without --live"
-        return {key: statistics.median([b - a for a, b in zip(times, times[1:])][20:])}
+        return {key: statistics.median([b - a for a, b in zip(times, times[1:])][40:])}
 
 
 def torchft_status() -> str | None:
