@@ -76,3 +76,18 @@ def test_kept_objects_are_released_once_their_timeout_and_the_margin_passed(monk
     assert broken_groups.release_expired() == 1 and broken_groups.held() == 1
     now[0] += 10.0 + broken_groups.MARGIN
     assert broken_groups.release_expired() == 1 and broken_groups.held() == 0
+
+
+def test_a_sharded_mesh_group_keeps_its_backend_when_closed_after_a_loss_not_when_shut_down(monkeypatch):
+    """close() (every member left after a loss) keeps the gloo backend; torch's shutdown() at an agreed change,
+    where every collective completed, drops it at once."""
+    from adaptive.runtime.fault_tolerant_group import FaultTolerantGroup
+
+    monkeypatch.setattr(broken_groups, "_kept", [])
+    lost, changed = object(), object()
+    after_loss = FaultTolerantGroup(lost, 0, 1, 30.0)
+    after_loss.close()
+    assert after_loss.closed and broken_groups.held() == 1 and broken_groups._kept[0].objects == (lost,)
+    after_change = FaultTolerantGroup(changed, 0, 1, 30.0)
+    after_change.shutdown()
+    assert after_change.closed and broken_groups.held() == 1

@@ -83,7 +83,7 @@ class Cluster:
         self.ended[name] = (node["launcher"], 143)
 
 
-def _changes(cluster: Cluster, rng: random.Random) -> list[str]:
+def _changes(cluster: Cluster) -> list[str]:
     """The changes that can be dealt now."""
     size, can_kill = cluster.size(), [n for n, node in cluster.nodes.items() if node["restarts"] > 0]
     possible = []
@@ -143,7 +143,7 @@ def test_a_seeded_sequence_of_joins_leaves_and_kills(jobs, tmp_path, seed):
     _trains_at(out, 2, 0.0, False, "two members to train")
     dealt = []
     for _ in range(CHANGES):
-        change = rng.choice(_changes(cluster, rng))
+        change = rng.choice(_changes(cluster))
         since = time.time()
         fresh = _deal(cluster, change, rng)
         dealt.append((change, cluster.size()))

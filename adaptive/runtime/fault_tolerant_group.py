@@ -119,7 +119,8 @@ class FaultTolerantGroup(dist.ProcessGroup):
         self._backend = None
 
     def shutdown(self) -> None:
-        self.close()
+        """torch's ``destroy_process_group`` at an agreed change: every collective completed; drop the backend."""
+        self._backend = None
 
     def abort(self) -> None:
         self.close()
