@@ -43,7 +43,8 @@ _installed: dict[str, Any] = {}
 
 #: Why a live job restarts from the checkpoint after all: the loss came where it cannot be recovered in memory.
 _LIVE_RESTART = ("; the live job's members restart from it, since the loss broke a collective that cannot be "
-                 "discarded in memory (one outside the loader's loops, or a sharded model's on NCCL)")
+                 "discarded in memory (a checkpoint being written, code outside the loader's loops, or a sharded "
+                 "model's mesh on NCCL)")
 
 
 def is_peer_failure(error: BaseException | None) -> bool:
