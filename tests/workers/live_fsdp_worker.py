@@ -38,7 +38,8 @@ import adaptive
 from adaptive.parallel import sharding_mesh
 from adaptive.runtime import membership
 from adaptive.runtime import step as step_records
-from worker_common import BlockDataset, BlockStack, append_jsonl, record_done, record_epoch, run_main, state_digest
+from worker_common import (BlockDataset, BlockStack, append_jsonl, record_done, record_epoch, run_main, state_digest,
+                           validate)
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
@@ -61,21 +62,6 @@ def full_digest(model, optimizer, scheduler):
     else:  # before the first step (get_state_dict would create the optimizer's state)
         model_state, optimizer_state = get_model_state_dict(model.module, options=options), {}
     return state_digest({"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()})
-
-
-def validate(model, val_loader, epoch):
-    """A validation pass over the whole dataset; rank 0 logs which samples it missed or saw twice."""
-    val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay
-    with torch.no_grad():
-        for x, y, index in val_loader:
-            model(x)
-            val_counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
-    with val_counts.synchronized():
-        seen = val_counts["seen"]
-        if dist.get_rank() == 0:
-            append_jsonl(os.path.join(OUT, "val.jsonl"), {
-                "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
-                "extra": int((seen - 1).clip(min=0).sum())})
 
 
 def main():
@@ -114,7 +100,7 @@ def main():
                                "discarded": step_records.faulted(), "draw": draw})
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
-            validate(model, val_loader, epoch)
+            validate(OUT, val_loader, epoch, SAMPLES, model)
         record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
     record_done(OUT, loader, int(model.module.steps))
 

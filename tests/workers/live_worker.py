@@ -46,7 +46,7 @@ import torch.distributed as dist
 import adaptive
 from adaptive.runtime import membership
 from adaptive.runtime import step as step_records
-from worker_common import StepCountingLinear, append_jsonl, record_done, record_epoch, state_digest
+from worker_common import StepCountingLinear, append_jsonl, record_done, record_epoch, state_digest, validate
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "480"))
@@ -154,16 +154,7 @@ def main():
                 indices, digest, draw = [], None, None
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
-            val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay
-            with torch.no_grad():
-                for x, y, index in val_loader:
-                    val_counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
-            with val_counts.synchronized():
-                seen = val_counts["seen"]
-                if dist.get_rank() == 0:
-                    append_jsonl(os.path.join(OUT, "val.jsonl"), {
-                        "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
-                        "extra": int((seen - 1).clip(min=0).sum())})
+            validate(OUT, val_loader, epoch, SAMPLES)
         record_epoch(OUT, epoch, counts, loader, int(model.module.steps))
     record_done(OUT, loader, int(model.module.steps))
 

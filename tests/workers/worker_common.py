@@ -83,6 +83,27 @@ def record_epoch(out, epoch, counts, loader, model_steps) -> None:
         counts.clear()
 
 
+def validate(out, val_loader, epoch, samples, model=None) -> None:
+    """A validation loop over ``val_loader`` (through ``model`` under no_grad, when given) with an Accumulator
+    created in the epoch; rank 0 appends to ``val.jsonl`` how many samples it missed and saw more than once."""
+    import adaptive
+    import numpy as np
+    import torch.distributed as dist
+
+    val_counts = adaptive.Accumulator()  # created in the epoch: named by it, found again by a replay
+    with torch.no_grad():
+        for x, _, index in val_loader:
+            if model is not None:
+                model(x)
+            val_counts["seen"] += np.bincount(index.numpy(), minlength=samples)
+    with val_counts.synchronized():
+        seen = val_counts["seen"]
+        if dist.get_rank() == 0:
+            append_jsonl(os.path.join(out, "val.jsonl"), {
+                "epoch": epoch, "world": dist.get_world_size(), "missing": int((seen == 0).sum()),
+                "extra": int((seen - 1).clip(min=0).sum())})
+
+
 def record_done(out, loader, model_steps) -> None:
     """The end of training: rank 0 writes ``done.json`` (the loader's step, the model's step count, the world)."""
     import torch.distributed as dist
