@@ -19,7 +19,12 @@ Adam; ``--quick``: 0.5M) on one live node, then:
    DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), and
    against the same script under plain ``torchrun`` without ``--live`` (so
    that what live mode adds is told apart from what the library's noise
-   scale and loader cost), all measured in the same run.
+   scale and loader cost), all measured in the same trial; the same ratios
+   of the mean step times (the throughput: the steps that measure the noise
+   scale, which a median leaves out, count there), and the noise-scale
+   interval the members agreed (``gns_interval="auto"``).  The ratios are
+   taken within each trial, then their median over the trials.  No periodic
+   checkpoint is written in the windows measured (the default interval).
 
 When ``import torchft`` works (a benchmark-only option: ``pip install
 torchft``; the library never depends on it), each trial also trains the same
@@ -76,7 +81,7 @@ TORCHFT_ROWS = {"survivor pause at a join": "survivor pause at the restarted gro
 CRASHED_BACK = "survivor crashed: kill to both groups training again"
 GOALS = {"survivor pause at a lost worker": 0.3, "joiner first step from import torch": 1.0,
          "planned rescale (change to first step at 2)": 1.0, "survivor pause at a leave": 0.3,
-         "steady state live / plain DDP": 1.02}
+         "steady state live / plain DDP": 1.02, "steady state live / plain DDP (mean steps)": 1.02}
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -100,8 +105,7 @@ def _steps(out: Path) -> dict[int, list[dict]]:
 def _environment(out: Path, width: int, **extra: str) -> dict[str, str]:
     """The workers' environment; gloo's traffic stays on the loopback interface."""
     return dict(os.environ, WORKER_OUT=str(out), ADAPTIVE_CHECKPOINT_PATH=str(out / "ckpt"), BENCH_WIDTH=str(width),
-                OMP_NUM_THREADS="1", ADAPTIVE_COLLECTIVE_TIMEOUT="30", ADAPTIVE_CHECKPOINT_INTERVAL="2",
-                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1", ADAPTIVE_COLLECTIVE_TIMEOUT="30", GLOO_SOCKET_IFNAME="lo",
                 PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **extra)
 
 
@@ -145,6 +149,7 @@ def live_trial(width: int) -> dict:
             joiner_first = steps[joiner][0]["time"] - start["torch"]
             joiner_library = steps[joiner][0]["time"] - start["built"]
             two = [b["time"] - a["time"] for a, b in zip(mine, mine[1:]) if a["world"] == b["world"] == 2][40:]
+            intervals = [s["gns_interval"] for s in mine if s["world"] == 2][40:]
             left_at = time.time()
             second.send_signal(signal.SIGTERM)
             second.wait(timeout=60)
@@ -173,7 +178,9 @@ def live_trial(width: int) -> dict:
                     "survivor pause at a leave": leave_pause,
                     "survivor pause at a lost worker": loss_pause,
                     "lost worker: kill to its restart's first step": back - killed,
-                    "step time, 2 live members": statistics.median(two)}
+                    "step time, 2 live members": statistics.median(two),
+                    "mean step time, 2 live members": statistics.mean(two),
+                    "noise-scale interval with 2 members (steps)": statistics.median(intervals)}
         except (RuntimeError, StopIteration) as error:  # a wait timed out, or no step of the survivor after a change
             return {"failed": str(error) or f"{type(error).__name__}: the survivor logged no step after a change",
                     "log": (out / "first.log").read_text(errors="replace")[-3000:]}
@@ -197,8 +204,25 @@ def torchrun_trial(width: int, plain: bool) -> dict:
             kill_process_tree(proc.pid)
         steps = _steps(out)
         times = [s["time"] for s in min(steps.values(), key=len)]
-        key = "step time, plain DDP" if plain else "step time, 2 members without --live"
-        return {key: statistics.median([b - a for a, b in zip(times, times[1:])][40:])}
+        intervals = [b - a for a, b in zip(times, times[1:])][40:]
+        key = "plain DDP" if plain else "2 members without --live"
+        return {f"step time, {key}": statistics.median(intervals), f"mean step time, {key}": statistics.mean(intervals)}
+
+
+#: The steady-state ratios: (name, numerator, denominator), of the median step time and of the mean one
+RATIOS = [("steady state live / plain DDP", "2 live members", "plain DDP"),
+          ("steady state without --live / plain DDP", "2 members without --live", "plain DDP"),
+          ("steady state live / without --live", "2 live members", "2 members without --live")]
+
+
+def _steady_state_ratios(run: dict) -> dict:
+    """A trial's step-time ratios: of the median steps, and of the mean ones (the throughput's inverse:
+    the measured steps of the noise scale, which the median leaves out, count there)."""
+    ratios = {}
+    for name, over, under in RATIOS:
+        ratios[name] = run[f"step time, {over}"] / run[f"step time, {under}"]
+        ratios[f"{name} (mean steps)"] = run[f"mean step time, {over}"] / run[f"mean step time, {under}"]
+    return ratios
 
 
 def torchft_status() -> str | None:
@@ -321,14 +345,10 @@ def main() -> None:
         if missing is None:
             torchft_runs.append(torchft_trial(width))
     good = [run for run in runs if "failed" not in run]
+    for run in good:  # ratios within a trial (its runs follow one another), then their median over trials
+        run.update(_steady_state_ratios(run))
     keys = [key for key in (good[0] if good else {}) if key != "log"]
     median = {key: statistics.median(run[key] for run in good) for key in keys}
-    if good:
-        median["steady state live / plain DDP"] = median["step time, 2 live members"] / median["step time, plain DDP"]
-        median["steady state without --live / plain DDP"] = (median["step time, 2 members without --live"]
-                                                              / median["step time, plain DDP"])
-        median["steady state live / without --live"] = (median["step time, 2 live members"]
-                                                         / median["step time, 2 members without --live"])
     plain = [run["step time, plain DDP"] for run in runs if "step time, plain DDP" in run]
     torchft = missing or _torchft_summary(torchft_runs, statistics.median(plain) if plain else None)
     params = 2 * width * width + 10 * width + 2 * width + 10

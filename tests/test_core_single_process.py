@@ -275,7 +275,7 @@ def test_periodic_checkpoints_and_resume_after_crash_roll_back_together(job, mon
 
 def test_gns_interval_measures_every_nth_step(job):
     net = torch.nn.Linear(1, 1)
-    with pytest.raises(ValueError, match="gns_interval must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"gns_interval must be an integer >= 1 \(optimizer steps\) or .auto."):
         adaptive.AdaptiveDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1), gns_interval=0)
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)

@@ -23,6 +23,7 @@ for the preconditioning test), ``G = S delta`` with ``S = diag(s^2)`` and
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -395,8 +396,36 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         train(problem, ddp, optimizer, REPLICA_STEPS, accum, seed=100 + rank)  # independent data per replica
         results[f"{accum}{'-view' if as_view else ''}"] = {"noise_scale": gns.noise_scale(), "sqr": [gns.sqr_avg(0), gns.sqr_avg(1)],
                                "var": [gns.var_avg(0), gns.var_avg(1)], "updates": gns.num_updates}
+        del model, optimizer, ddp, gns
+    results["auto"] = _auto_interval(problem, rank, world)
+    # No DDP model may hold the group past its destruction: gloo's threads would outlive it and abort the
+    # interpreter's finalisation now and then ("terminate called without an active exception").
+    gc.collect()
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(results))
+
+
+def _auto_interval(problem: Problem, rank: int, world: int) -> dict:
+    """``measure_interval="auto"`` where the replicas' measurements cost differently: rank 1's clock makes
+    every timed piece of its measurement look 2 ms longer, so the two vote for different intervals."""
+    from adaptive.batchsize.gns import _schedule
+
+    if rank == 1:
+        ticks = iter(range(10 ** 9))
+        _schedule._clock = lambda: time.perf_counter() + 0.002 * next(ticks)
+    model = problem.model()
+    optimizer = _two_groups(model)
+    ddp = DistributedDataParallel(model)
+    gns = GradientNoiseScale(optimizer, measure_interval="auto")
+    gns.attach(ddp)
+    gns.set_batch_config(init_batch_size=LOCAL_BSZ * world, local_bsz=LOCAL_BSZ)
+    intervals, updates = [], []
+    for step in range(REPLICA_STEPS):
+        train(problem, ddp, optimizer, 1, 1, seed=1000 * step + 100 + rank)
+        gns.flush()
+        intervals.append(gns.measure_interval)
+        updates.append(gns.num_updates)
+    return {"intervals": intervals, "updates": updates, "noise_scale": gns.noise_scale()}
 
 
 @pytest.mark.distributed
@@ -421,6 +450,14 @@ def test_two_replicas_converge_to_truth(tmp_path):
     ranks = [json.loads(out.read_text()) for out in outs]
     assert ranks[0] == ranks[1]  # replica-averaged statistics: identical everywhere
     problem = Problem(seed=20)
+    # "auto": both replicas measured the same steps at the interval they agreed on (the votes' rounded mean),
+    # longer than one step since rank 1's measurement looks expensive; a measured step was folded in at each
+    # change of the interval
+    auto = ranks[0]["auto"]
+    assert max(auto["intervals"]) > 1 and auto["updates"][-1] < REPLICA_STEPS / 2
+    measured = [step for step in range(1, REPLICA_STEPS) if auto["updates"][step] > auto["updates"][step - 1]]
+    assert all(b - a <= max(auto["intervals"]) for a, b in zip(measured, measured[1:]))
+    assert math.isfinite(auto["noise_scale"]) and auto["noise_scale"] > 0
     for accum in ("1", "2", "1-view"):  # 1-view: DDP(gradient_as_bucket_view=True)
         result = ranks[0][accum]
         assert result["updates"] == REPLICA_STEPS

@@ -150,11 +150,12 @@ class Measurement:
         cross = self.cross / math.sqrt(scale_sq * prev_sq)
         return (cur + prev) / 2.0, (cur + prev + 2.0 * cross) / 4.0
 
-    def samples(self, measure_interval: int) -> int:
-        """Samples per replica trained since the previous measurement (what the averages decay by)."""
+    def samples(self, span: int) -> int:
+        """Samples per replica trained in the ``span`` optimizer steps since the previous measurement
+        (what the averages decay by)."""
         if self.estimator == DIRECT:
-            return self.config.local_bsz * self.count * measure_interval
-        return max(2, measure_interval) * self.config.local_bsz
+            return self.config.local_bsz * self.count * span
+        return max(2, span) * self.config.local_bsz
 
 
 class _Magnitude:
@@ -196,8 +197,9 @@ class NoiseAverages:
         self.skipped = 0  # measurements discarded for non-finite gradients
         self._magnitude = _Magnitude()
 
-    def add(self, measurement: Measurement, smoothing: float, measure_interval: int) -> bool:
-        """Fold ``measurement`` in; False when it was discarded (non-finite or all-zero gradients)."""
+    def add(self, measurement: Measurement, smoothing: float, span: int) -> bool:
+        """Fold ``measurement``, which stands for the ``span`` optimizer steps since the previous one, in;
+        False when it was discarded (non-finite or all-zero gradients)."""
         small, big = measurement.small_and_big()
         config = measurement.config
         with np.errstate(invalid="ignore", over="ignore"):
@@ -220,7 +222,7 @@ class NoiseAverages:
         # this measurement's own noise would bias the averages): early in training
         # gradients shrink by orders of magnitude, and plain averages of sqr and var would
         # stay dominated by the first steps long after their ratio has moved on.
-        decay = smoothing ** (measurement.samples(measure_interval) / config.init_batch_size)
+        decay = smoothing ** (measurement.samples(span) / config.init_batch_size)
         self.sqr = decay * self.sqr + (1.0 - decay) * importance * sqr
         self.var = decay * self.var + (1.0 - decay) * importance * var
         self.weight = decay * self.weight + (1.0 - decay) * importance

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from adaptive.batchsize.gns import GradientNoiseScale
+from adaptive.batchsize.gns._schedule import MeasureInterval, check_measure_interval
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
 from adaptive.elastic import sync_points
@@ -97,11 +98,9 @@ def check_name(name: Any) -> str:
     return name
 
 
-def check_gns_interval(gns_interval: Any) -> int:
-    """Optimizer steps between noise measurements: an int >= 1."""
-    if isinstance(gns_interval, bool) or not isinstance(gns_interval, int) or gns_interval < 1:
-        raise ValueError(f"gns_interval must be an int >= 1 (optimizer steps), got {gns_interval!r}")
-    return gns_interval
+def check_gns_interval(gns_interval: Any) -> MeasureInterval:
+    """Optimizer steps between noise measurements: an int >= 1, or ``"auto"``."""
+    return check_measure_interval("gns_interval", gns_interval)
 
 
 # ---------------------------------------------------------------- checkpointed companions of the model
@@ -224,7 +223,7 @@ class TrainedModel:
     step_lr: StepLRFactor
 
     def _make_gns_and_rule(self, optimizer: torch.optim.Optimizer, scaler: Any, scaling_rule: Any,
-                           gns_interval: int) -> None:
+                           gns_interval: MeasureInterval) -> None:
         self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler, measure_interval=gns_interval)
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
 

@@ -75,9 +75,12 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
             the optimizer (AdamScale for Adam-type, AdaScale otherwise).
         name: checkpoint name; give distinct names when a job trains
             several models.
-        gns_interval: measure the gradient noise every this many optimizer
-            steps (>= 1, default 4).  A measured step reads the gradients
-            about twice more (their norms before and after the
+        gns_interval: when to measure the gradient noise: ``"auto"``
+            (the default) as often as keeps the measurement within 1% of
+            the training time (every step where it is cheap, as for large
+            batches on GPUs; up to every 32nd), or every this many
+            optimizer steps (an int >= 1).  A measured step reads the
+            gradients about twice more (their norms before and after the
             all-reduce), which shows on CPUs and for small models; the
             noise scale changes slowly, so every few steps is enough (the
             moving averages weigh each measurement for the steps since
@@ -88,7 +91,7 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, scaler: Any = None, *, scaling_rule: Any = None,
-                 name: str = "model", gns_interval: int = 4, **kwargs: Any) -> None:
+                 name: str = "model", gns_interval: int | str = "auto", **kwargs: Any) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _training.check_optimizer(optimizer, list(module.parameters()))

@@ -164,8 +164,8 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
             :class:`~adaptive.AdaptiveDataParallel`.
         name: checkpoint name; give distinct names when a job trains
             several models.
-        gns_interval: measure the gradient noise every this many optimizer
-            steps (>= 1, default 4).
+        gns_interval: when to measure the gradient noise, as for
+            :class:`~adaptive.AdaptiveDataParallel` (default ``"auto"``).
         **fsdp_options: passed to every ``fully_shard`` call:
             ``reshard_after_forward``, ``mp_policy`` (a
             ``MixedPrecisionPolicy``).  CPU offloading is not supported.
@@ -178,7 +178,7 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: Any = None, scaler: Any = None, *, mesh: DeviceMesh | None = None,
                  shard: _sharding.ShardPolicy = "blocks", scaling_rule: Any = None, name: str = "model",
-                 gns_interval: int = 4, **fsdp_options: Any) -> None:
+                 gns_interval: int | str = "auto", **fsdp_options: Any) -> None:
         _check_module(module)
         _check_fsdp_options(fsdp_options)
         _training.check_optimizer(optimizer, list(module.parameters()))

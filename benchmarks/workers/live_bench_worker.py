@@ -1,4 +1,4 @@
-"""Training script for bench_live.py: logs the end of every step (time, world size, generation), per process.
+"""Training script for bench_live.py: logs the end of every step (time, world size, generation, noise-scale interval), per process.
 
 ``BENCH_PLAIN=1`` trains the same model with plain DDP and a plain
 ``DataLoader`` + ``DistributedSampler`` under torchrun (the baseline).
@@ -29,8 +29,9 @@ def build():
     return model, torch.optim.Adam(model.parameters(), lr=1e-4), data
 
 
-def log_step(handle, generation):
-    handle.write(json.dumps({"time": time.time(), "world": dist.get_world_size(), "generation": generation}) + "\n")
+def log_step(handle, generation, gns_interval=None):
+    handle.write(json.dumps({"time": time.time(), "world": dist.get_world_size(), "generation": generation,
+                             "gns_interval": gns_interval}) + "\n")
     handle.flush()
 
 
@@ -79,7 +80,7 @@ def adaptive_job() -> None:
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                log_step(handle, membership.generation_number())
+                log_step(handle, membership.generation_number(), model.gns.measure_interval)
                 steps += 1
                 if steps >= STEPS:
                     adaptive.finish_training()

@@ -48,7 +48,10 @@ communication hook the user registers):
   reusable workspace.
 
 A measured step therefore reads the gradient about twice more; steps that
-are not measured (``measure_interval``) cost one Python call per backward.
+are not measured cost one Python call per backward.  Which steps are
+measured is :mod:`._schedule`'s: every ``measure_interval``-th, or with
+``"auto"`` as often as keeps that work within a small share of the training
+time (the replicas agree on it through the measured step's all-reduce).
 The end-of-backward work runs from torch's autograd-engine callback queue,
 after DDP's own finalisation.
 
@@ -74,6 +77,7 @@ from adaptive.runtime import step as step_records
 from adaptive.batchsize.gns._norms import GroupNorms
 from adaptive.batchsize.gns._precondition import Preconditioner
 from adaptive.batchsize.gns._record import StepRecord
+from adaptive.batchsize.gns._schedule import MeasureInterval, MeasureSchedule
 from adaptive.goodput.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
 
 __all__ = ["BackwardProbe", "StepRecord"]
@@ -112,7 +116,8 @@ class BackwardProbe:
         is_last_micro_step: whether the coming backward ends the step.
         precondition, precondition_interval: measure in Adam's geometry,
             refreshed every this many optimizer steps.
-        measure_interval: measure every this many optimizer steps.
+        measure_interval: measure every this many optimizer steps, or
+            ``"auto"`` (:mod:`adaptive.batchsize.gns._schedule`).
         grad_scaler: returns the AMP ``GradScaler`` in use (or None).
         on_step_start: called as an optimizer step's first backward begins
             (the estimator folds the previous record in).
@@ -123,14 +128,14 @@ class BackwardProbe:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  process_group: Any, world_size: int, average_micro_steps: bool,
                  is_last_micro_step: Callable[[], bool], precondition: bool, precondition_interval: int,
-                 measure_interval: int, grad_scaler: Callable[[], Any], on_step_start: Callable[[], None],
+                 measure_interval: MeasureInterval, grad_scaler: Callable[[], Any], on_step_start: Callable[[], None],
                  on_failure: Callable[[], None]) -> None:
         self._optimizer = optimizer
         self._num_groups = len(optimizer.param_groups)
         self._process_group, self.world_size = process_group, world_size
         self._average_micro_steps = average_micro_steps
         self._is_last_micro_step = is_last_micro_step
-        self._measure_interval = measure_interval
+        self._schedule = MeasureSchedule(measure_interval)
         self._grad_scaler = grad_scaler
         self._on_step_start, self._on_failure = on_step_start, on_failure
         self._enabled = True
@@ -209,6 +214,7 @@ class BackwardProbe:
         """
         self._process_group, self.world_size = process_group, world_size
         self._steps = 0
+        self._schedule.restart()
         if self._preconditioner is not None:
             self._preconditioner.restart()
         self.set_config(None)
@@ -226,6 +232,15 @@ class BackwardProbe:
         """Measure or not; while off the micro-steps of a step are still averaged."""
         self._enabled = enabled
         self._update_micro_hooks()
+
+    @property
+    def measure_interval(self) -> int:
+        """Optimizer steps from one measurement to the next, as now in force."""
+        return self._schedule.interval
+
+    def agree_interval(self, record: StepRecord, votes: float) -> None:
+        """``record`` was read: its replicas' votes (summed) set when the next measurement is due."""
+        self._schedule.agree(record.step, votes, record.voters)
 
     def take_record(self) -> StepRecord | None:
         """The last measured step not yet taken (None if none)."""
@@ -248,6 +263,7 @@ class BackwardProbe:
         self._storing = False
         self._hooked = False  # the micro-step hooks saw this step from its start
         self._micro_steps = 0
+        self._span = 1  # optimizer steps the step's measurement stands for
         self._step_scale: torch.Tensor | None = None
 
     def _begin_step(self) -> None:
@@ -255,12 +271,18 @@ class BackwardProbe:
         self._on_step_start()  # fold the previous step's measurement in first
         self._reset_step()
         self._step_open = True
-        self._step_index = self._steps
+        self._step_index = step = self._steps
+        schedule = self._schedule
+        schedule.step_began(step)
         ready = self._enabled and self._config is not None
-        self._measuring = ready and self._step_index % self._measure_interval == 0
-        self._storing = ready and (self._step_index + 1) % self._measure_interval == 0
-        if ready and self._preconditioner is not None:
-            self._preconditioner.maybe_refresh(self._step_index)
+        self._measuring = ready and schedule.measures(step)
+        if self._measuring:
+            self._span = schedule.measuring(step)  # the next measurement is due from here
+        self._storing = ready and schedule.stores(step)
+        if (self._measuring or self._storing) and self._preconditioner is not None:
+            started = schedule.clock()  # (refreshed on the steps that read gradients only)
+            self._preconditioner.maybe_refresh(step)
+            schedule.add_cost(schedule.clock() - started)
             if self._preconditioner.state == "waiting":
                 self._measuring = self._storing = False
         if self._measuring or self._storing:
@@ -333,11 +355,13 @@ class BackwardProbe:
         """Squared norm of one parameter's gradient from this backward (tensor hook)."""
         if not self._measuring or not self._hooked:
             return
+        started = self._schedule.clock()
         try:
             with torch.no_grad():
                 self._micro_sq[index].add_(self._micro_sq_norm(index, grad).to(self._norms.device))
         except Exception:  # never break the user's backward
             self._fail("micro-step hook")
+        self._schedule.add_cost(self._schedule.clock() - started)
 
     # ------------------------------------------------------------ end of step
     def _end_of_step(self) -> None:
@@ -348,7 +372,11 @@ class BackwardProbe:
                 if steps > 1 and self._average_micro_steps:
                     self._divide_grads(steps)
                 if self._step_open and (self._measuring or self._storing) and not step_records.faulted():
+                    started = self._schedule.clock()
                     self._collect(steps)  # (a step that lost a peer is discarded: nothing to measure)
+                    self._schedule.add_cost(self._schedule.clock() - started)
+                    if self._measuring:
+                        self._schedule.step_measured()
         except Exception:
             self._fail("end-of-backward measurement")
         finally:
@@ -369,6 +397,11 @@ class BackwardProbe:
         if dense:
             torch._foreach_div_(dense, divisor)
 
+    def _vote(self, device: torch.device) -> torch.Tensor:
+        """This replica's vote for the next measurement interval, as a one-element tensor on ``device``
+        (filled there: no copy from the host, which would wait for the device's queue)."""
+        return torch.full((1,), float(self._schedule.proposal()), dtype=torch.float32, device=device)
+
     def _collect(self, micro_steps: int) -> None:
         config, world = self._config, self.world_size
         assert config is not None, "a step is measured or stored only under a batch configuration"
@@ -383,16 +416,19 @@ class BackwardProbe:
             if not self._average_micro_steps:
                 big /= micro_steps ** 2
             local = torch.zeros_like(big).index_add_(0, self._norms.group_index, self._micro_sq)
+            local = torch.cat([local, self._vote(local.device)])  # the vote travels with the sums
             big, local, work = self._reduce_direct(big, local)
-            self._pending = StepRecord(DIRECT, config, count, big, local=local, work=work,
-                                        scale=self._step_scale)
+            self._pending = StepRecord(DIRECT, config, count, big, local=local[:-1], work=work,
+                                        scale=self._step_scale, step=self._step_index, span=self._span,
+                                        votes=local[-1:], voters=self.world_size)
             self._prev_meta = None
             return
         key = (self._step_index, config, tuple(present))
         if self._measuring and self._prev_meta == (self._step_index - 1,) + key[1:]:
             big, prev_sq, cross = self._norms.differenced(present)
             self._pending = StepRecord(DIFFERENCED, config, 2, big, scale=self._step_scale,
-                                        prev=prev_sq, prev_scale=self._prev_scale, cross=cross)
+                                        prev=prev_sq, prev_scale=self._prev_scale, cross=cross,
+                                        step=self._step_index, span=self._span, votes=self._vote(big.device))
         if self._storing:
             self._norms.store(present)
             self._prev_scale, self._prev_meta = self._step_scale, key

@@ -73,6 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 from adaptive.runtime import peer_failure
 from adaptive._utils.checks import check_float, check_int
 from adaptive.batchsize.gns._probe import BackwardProbe
+from adaptive.batchsize.gns._schedule import MeasureInterval, check_measure_interval
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GradParams
 from adaptive.goodput.noise_estimate import BatchConfig, NoiseAverages
@@ -90,7 +91,7 @@ class _ProbeOptions(TypedDict):
     average_micro_steps: bool
     precondition: bool
     precondition_interval: int
-    measure_interval: int
+    measure_interval: MeasureInterval
     grad_scaler: Callable[[], Any]
     on_step_start: Callable[[], None]
     on_failure: Callable[[], None]
@@ -125,7 +126,10 @@ class GradientNoiseScale:
         precondition_interval: optimizer steps between preconditioner
             refreshes.
         measure_interval: measure every this many optimizer steps (1 =
-            every step); larger values cut the cost proportionally.
+            every step; larger values cut the cost proportionally), or
+            ``"auto"``: as often as keeps the measurement within 1% of the
+            training time, every 1 to 32 steps, agreed by the replicas
+            (:mod:`adaptive.batchsize.gns._schedule`).
         grad_scaler: the AMP ``GradScaler`` scaling the loss, if any (its
             scale is divided out; overflowing steps are skipped).
     """
@@ -136,7 +140,7 @@ class GradientNoiseScale:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, smoothing: float = 0.999,
                  precondition: bool | None = None, precondition_interval: int = 10,
-                 measure_interval: int = 1, grad_scaler: Any = None) -> None:
+                 measure_interval: MeasureInterval = 1, grad_scaler: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         smoothing = check_float("smoothing", smoothing, 0.0, strict_minimum=True)
@@ -145,7 +149,7 @@ class GradientNoiseScale:
         self._optimizer = optimizer
         self._smoothing = smoothing
         self._precondition_interval = check_int("precondition_interval", precondition_interval, 1)
-        self._measure_interval = check_int("measure_interval", measure_interval, 1)
+        self._measure_interval = check_measure_interval("measure_interval", measure_interval)
         if precondition is None:
             precondition = all("betas" in g and "eps" in g for g in optimizer.param_groups)
         self._wants_precondition = bool(precondition)
@@ -159,6 +163,12 @@ class GradientNoiseScale:
         self._probe: BackwardProbe | None = None
 
     # ------------------------------------------------------------ set-up
+    @property
+    def measure_interval(self) -> int:
+        """Optimizer steps from one measurement to the next, as now in force (with ``"auto"``: as the
+        replicas last agreed; 1 before the model is attached)."""
+        return self._probe.measure_interval if self._probe is not None else 1
+
     @property
     def enabled(self) -> bool:
         """Whether steps are measured; while False the micro-steps of a step
@@ -312,13 +322,15 @@ class GradientNoiseScale:
         if probe is None or record is None:
             return
         try:
-            measured = record.read()
+            measured, votes = record.read()
         except (RuntimeError, torch.distributed.DistError) as error:
             if not peer_failure.absorb_in_live_mode(error):
                 raise
             probe.forget_partner()  # a peer was lost: the members re-form; this measurement is gone
             return
-        if not self._averages.add(measured, self._smoothing, self._measure_interval):
+        if votes is not None:
+            probe.agree_interval(record, votes)
+        if not self._averages.add(measured, self._smoothing, record.span):
             probe.forget_partner()
 
     def _totals(self, group: int | None) -> tuple[float, float] | None:
