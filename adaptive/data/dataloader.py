@@ -57,6 +57,7 @@ from adaptive.elastic import epoch, live, random_state, sync_points
 from adaptive.observe import metrics
 from adaptive.parallel._training import trained_models
 from adaptive.runtime import env, membership, peer_failure
+from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import StepContext, faulted, stream
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
@@ -521,6 +522,8 @@ class AdaptiveDataLoader:
                     if faulted():  # a member was lost during the snapshot: back to the boundary
                         continue
                 self._after_boundary(first=first)
+                if faulted():  # a member was lost while the batch size was agreed: back to the boundary
+                    continue
                 plan_key = (self._controller.current() if self._controller is not None else None,
                             membership.generation_number())
                 if plan is None or plan.key != plan_key:
@@ -645,7 +648,12 @@ class AdaptiveDataLoader:
             if force or (not first and self._state.step % self._controller.config.adapt_every == 0):
                 before = self._controller.current()
                 grad_params = model.gns.to_grad_params()
-                decision = self._controller.decide(grad_params, force=force)
+                try:
+                    decision = self._controller.decide(grad_params, force=force)
+                except CollectiveError as error:  # live mode: recorded on the step; the members re-form
+                    if not peer_failure.absorb_in_live_mode(error):
+                        raise
+                    return
                 self._controller.report_hints(grad_params, model.scaling_rule.progress, self._completed_fraction())
                 if decision is not None:
                     self._report.decision(decision, *before)
