@@ -12,6 +12,7 @@ from every rank's samples) or ``refusals`` (what attach refuses).  ``MESH`` in t
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -141,7 +142,7 @@ def exact(mesh, rank: int, world: int) -> dict:
             model.set_requires_gradient_sync(micro == 1)
             (0.5 * ((model(x) - y) ** 2).mean()).backward()
         if step == 1:
-            measured = gns._probe.take_record().read()
+            measured, _votes = gns._probe.take_record().read()
             roots = []
             for p in params:
                 state = optimizer.state[p]
@@ -200,6 +201,10 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (world,))
     special = {"grad": grad_check, "refusals": refusals, "exact": exact}
     results = {case: special.get(case, functools.partial(converge, case))(mesh, rank, world) for case in cases}
+    # The cases' models (kept by reference cycles through their hooks) go before the groups: gloo's threads
+    # outliving a group abort the interpreter's finalisation now and then ("terminate called without an
+    # active exception").
+    gc.collect()
     dist.destroy_process_group()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
