@@ -328,7 +328,8 @@ class GradientNoiseScale:
                 raise
             probe.forget_partner()  # a peer was lost: the members re-form; this measurement is gone
             return
-        probe.agree_interval(record, votes)
+        if votes is not None:
+            probe.agree_interval(record, votes)
         if not self._averages.add(measured, self._smoothing, record.span):
             probe.forget_partner()
 
