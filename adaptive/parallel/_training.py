@@ -38,8 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive.batchsize.gns import GradientNoiseScale
-from adaptive.batchsize.gns._schedule import MeasureInterval, check_measure_interval
+from adaptive.batchsize.gns import GradientNoiseScale, MeasureInterval, check_measure_interval
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
 from adaptive.elastic import sync_points

@@ -12,6 +12,7 @@ turns the measured norms into the noise estimate is torch-free and shared
 with the scheduler: :mod:`adaptive.goodput.noise_estimate`.
 """
 
+from adaptive.batchsize.gns._schedule import MeasureInterval, check_measure_interval
 from adaptive.batchsize.gns.estimator import GradientNoiseScale
 
-__all__ = ["GradientNoiseScale"]
+__all__ = ["GradientNoiseScale", "MeasureInterval", "check_measure_interval"]

@@ -280,9 +280,8 @@ class BackwardProbe:
             self._span = schedule.measuring(step)  # the next measurement is due from here
         self._storing = ready and schedule.stores(step)
         if (self._measuring or self._storing) and self._preconditioner is not None:
-            started = schedule.clock()  # (refreshed on the steps that read gradients only)
-            self._preconditioner.maybe_refresh(step)
-            schedule.add_cost(schedule.clock() - started)
+            with schedule.timed():  # (refreshed on the steps that read gradients only)
+                self._preconditioner.maybe_refresh(step)
             if self._preconditioner.state == "waiting":
                 self._measuring = self._storing = False
         if self._measuring or self._storing:
@@ -355,13 +354,11 @@ class BackwardProbe:
         """Squared norm of one parameter's gradient from this backward (tensor hook)."""
         if not self._measuring or not self._hooked:
             return
-        started = self._schedule.clock()
         try:
-            with torch.no_grad():
+            with self._schedule.timed(), torch.no_grad():
                 self._micro_sq[index].add_(self._micro_sq_norm(index, grad).to(self._norms.device))
         except Exception:  # never break the user's backward
             self._fail("micro-step hook")
-        self._schedule.add_cost(self._schedule.clock() - started)
 
     # ------------------------------------------------------------ end of step
     def _end_of_step(self) -> None:
@@ -372,9 +369,8 @@ class BackwardProbe:
                 if steps > 1 and self._average_micro_steps:
                     self._divide_grads(steps)
                 if self._step_open and (self._measuring or self._storing) and not step_records.faulted():
-                    started = self._schedule.clock()
-                    self._collect(steps)  # (a step that lost a peer is discarded: nothing to measure)
-                    self._schedule.add_cost(self._schedule.clock() - started)
+                    with self._schedule.timed():
+                        self._collect(steps)  # (a step that lost a peer is discarded: nothing to measure)
                     if self._measuring:
                         self._schedule.step_measured()
         except Exception:

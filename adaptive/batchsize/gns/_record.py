@@ -29,6 +29,7 @@ class StepRecord:
     config: BatchConfig
     count: int
     big: torch.Tensor
+    votes: torch.Tensor  # the replicas' votes for the next interval, summed by the all-reduce (one element)
     local: torch.Tensor | None = None
     work: Any = None
     scale: torch.Tensor | None = None
@@ -37,12 +38,10 @@ class StepRecord:
     cross: torch.Tensor | None = None
     step: int = 0  # the optimizer step measured (counted by the probe)
     span: int = 1  # optimizer steps the measurement stands for (since the previous one)
-    votes: torch.Tensor | None = None  # the replicas' votes for the next interval, summed by the all-reduce
-    voters: int = 1
+    voters: int = 1  # the replicas whose votes are summed
 
-    def read(self) -> tuple[Measurement, float | None]:
-        """The measurement on the host and the summed votes (None: none cast): waits for the all-reduce,
-        then one copy."""
+    def read(self) -> tuple[Measurement, float]:
+        """The measurement on the host and the summed votes: waits for the all-reduce, then one copy."""
         if self.work is not None:  # in live mode a lost peer another member reported ends the wait too
             collectives.wait(self.work, "the noise-scale all-reduce")
         parts = [self.big, self.local, self.prev, self.cross, self.scale, self.prev_scale, self.votes]
@@ -52,8 +51,8 @@ class StepRecord:
                                np.cumsum([p.numel() for p in present])[:-1]))
         big, local, prev, cross, scale, prev_scale, votes = (next(values) if p is not None else None
                                                               for p in parts)
-        assert big is not None, "self.big is a tensor, so its values are always present"
+        assert big is not None and votes is not None, "big and votes are tensors: their values are present"
         measurement = Measurement(self.estimator, self.config, self.count, big, local=local, prev=prev, cross=cross,
                                   scale=float(scale[0]) if scale is not None else None,
                                   prev_scale=float(prev_scale[0]) if prev_scale is not None else None)
-        return measurement, float(votes[0]) if votes is not None else None
+        return measurement, float(votes[0])

@@ -29,10 +29,11 @@ moving averages decay the same whatever the interval.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import statistics
 import time
-from typing import Union
+from typing import Iterator, Union
 
 from adaptive._utils.checks import check_int
 
@@ -156,7 +157,11 @@ class MeasureSchedule:
             self.interval = max(1, min(LONGEST_INTERVAL, round(votes / voters)))
         self._next = step + self.interval
 
-    @staticmethod
-    def clock() -> float:
-        """The clock the probe times its work with (seconds)."""
-        return _clock()
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the work done in the ``with`` block as measurement work (:meth:`add_cost`)."""
+        started = _clock()
+        try:
+            yield
+        finally:
+            self.add_cost(_clock() - started)

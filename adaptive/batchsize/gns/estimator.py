@@ -328,8 +328,7 @@ class GradientNoiseScale:
                 raise
             probe.forget_partner()  # a peer was lost: the members re-form; this measurement is gone
             return
-        if votes is not None:
-            probe.agree_interval(record, votes)
+        probe.agree_interval(record, votes)
         if not self._averages.add(measured, self._smoothing, record.span):
             probe.forget_partner()
 
