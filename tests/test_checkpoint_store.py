@@ -29,30 +29,13 @@ from adaptive._utils.text import format_bytes
 from adaptive.checkpoint import _disk, _format, _pruning, _safe_load, _writing
 from adaptive.checkpoint import store as cs
 from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
+from state_equality import assert_same
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGER = "adaptive.checkpoint.store"
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def assert_same(actual: Any, expected: Any, where: str = "value") -> None:
-    """Deep equality that also checks types, tensor dtypes and shapes."""
-    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
-    if isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected)):
-            assert_same(a, e, f"{where}[{index}]")
-    else:
-        assert actual == expected, where
 
 
 def load_all(checkpoint: Checkpoint) -> dict[str, Any]:

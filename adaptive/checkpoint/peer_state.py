@@ -8,7 +8,9 @@ registered state exactly as a checkpoint would hold it (after each state's
 the control group (the other members take no part); each joiner keeps it as a :class:`PeerCheckpoint`, which its states
 restore from as they are created, the way they restore from a checkpoint
 after a restart (:func:`adaptive.checkpoint.states.load_state`).  The bytes
-are loaded weights-only, like a file (guarantee G4).
+are loaded weights-only, like a file (guarantee G4), but in a flat format
+that spares the zip archive's copies and checksums
+(:mod:`adaptive.checkpoint._flat_state`).
 
 A sharded state (FSDP2) sends only its small part this way; its shards are
 then read through :meth:`PeerCheckpoint.read_sharded`, which rank 0 fills
@@ -17,7 +19,6 @@ from its full copy (:mod:`adaptive.checkpoint.peer_shards`).
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from adaptive.checkpoint import _safe_load, peer_shards
+from adaptive.checkpoint import _flat_state, peer_shards
 from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo
 from adaptive.runtime import collectives, membership
 
@@ -80,11 +81,9 @@ def send_states(contents: dict[str, Any], seq: int, metadata: dict[str, Any], sh
     Rank 0 calls it, each joiner :func:`receive_states` and the other
     members :func:`pass_states`, on the control group.
     """
-    buffer = io.BytesIO()
-    torch.save({"seq": seq, "metadata": metadata, "states": contents, "sharded": list(sharded or [])}, buffer)
-    data = buffer.getbuffer()
-    _transfer(torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8))
-    return len(data)
+    packed = _flat_state.pack({"seq": seq, "metadata": metadata, "states": contents, "sharded": list(sharded or [])})
+    _transfer(packed)
+    return packed.numel()
 
 
 def pass_states() -> None:
@@ -95,7 +94,7 @@ def receive_states() -> PeerCheckpoint:
     """On a joiner: the states rank 0 sent, as a checkpoint to restore from."""
     started = time.perf_counter()
     tensor = _transfer(None)
-    payload = _safe_load.load_item(io.BytesIO(tensor.numpy().tobytes()), "the state sent by the running members")
+    payload = _flat_state.unpack(tensor, "the state sent by the running members")
     info = CheckpointInfo(seq=int(payload["seq"]), path=FROM_PEERS, created=time.time(),
                           metadata=dict(payload["metadata"]), size=int(tensor.numel()))
     logger.info("received the training state from the running members: %d states, %.1f MB in %.3f s",

@@ -564,11 +564,12 @@ def recover_sharded_states(snapshots: dict[str, Any]) -> None:
         peer_shards.ShardsLost: on every member, before any state changed,
             when the lost members held every copy of some shard.
     """
-    missing = [state.name for state in sharded_states() if state.name not in snapshots]
+    sharded = sharded_states()
+    missing = [state.name for state in sharded if state.name not in snapshots]
     if missing:  # the same on every member: the snapshots were taken at the same agreed boundary
         raise peer_shards.ShardsLost(f"no snapshot holds the shards of {missing}")
-    gathered = {state.name: peer_shards.gather_from_snapshots(snapshots[state.name]) for state in sharded_states()}
-    for state in sharded_states():
+    gathered = {state.name: peer_shards.gather_from_snapshots(snapshots[state.name]) for state in sharded}
+    for state in sharded:
         state.reshard_for_peers(gathered[state.name])
 
 

@@ -70,8 +70,10 @@ MIN_VAR, MAX_VAR = "ADAPTIVE_LIVE_MIN", "ADAPTIVE_LIVE_MAX"
 NODE_VAR = "ADAPTIVE_LIVE_NODE"
 #: Seconds a formation waits for more candidates once the minimum registered.
 LAST_CALL = 1.0
-#: Seconds between looks at the store while waiting.
-POLL = 0.01
+#: Seconds between looks at the store while waiting: the first look after :data:`FIRST_POLL`, then a quarter
+#: of the time waited so far, at most :data:`POLL` (a short wait ends soon after what it waits for, a long one
+#: does not load the store).
+FIRST_POLL, POLL = 0.001, 0.01
 #: A joiner that has not said it is waiting for this many seconds is not admitted (it died while waiting).
 JOINER_STALE = 2.0
 #: A launcher whose sign of life is older than this many seconds is taken for lost, with its workers.
@@ -179,6 +181,16 @@ def _get(store: torch.distributed.Store, key: str) -> str | None:
     return store.get(key).decode()
 
 
+class _Poll:
+    """The pauses between looks at the store of one wait: short at first, then growing to :data:`POLL`."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def sleep(self) -> None:
+        time.sleep(min(POLL, max(FIRST_POLL, (time.monotonic() - self.started) / 4)))
+
+
 def generation_store(number: int) -> torch.distributed.Store:
     """The store the process group of generation ``number`` rendezvouses on."""
     import torch.distributed as dist
@@ -240,12 +252,13 @@ def _formation(store: torch.distributed.Store, number: int, me: dict[str, int], 
     if position == 1:  # the first candidate closes the round
         _close_formation(store, number, deadline)
     members_key = f"gen/{number}/members"
+    poll = _Poll()
     while time.monotonic() < deadline:
         text = _get(store, members_key)
         if text is not None:
             formed = Generation.from_json(text)
             return formed if formed.rank_of(me["wid"]) is not None else None  # late: join it running
-        time.sleep(POLL)
+        poll.sleep()
     return None
 
 
@@ -254,6 +267,7 @@ def _close_formation(store: torch.distributed.Store, number: int, deadline: floa
     largest = max(smallest, _int_env(MAX_VAR, smallest))
     count_key = f"gen/{number}/candidates"
     reached: float | None = None
+    poll = _Poll()
     while time.monotonic() < deadline:
         count = int(store.add(count_key, 0))
         now = time.monotonic()
@@ -261,7 +275,7 @@ def _close_formation(store: torch.distributed.Store, number: int, deadline: floa
             reached = now
         if count >= largest or (reached is not None and now - reached >= LAST_CALL):
             break
-        time.sleep(POLL)
+        poll.sleep()
     count = min(int(store.add(count_key, 0)), largest)
     members = sorted((json.loads(store.get(f"gen/{number}/candidate/{i}")) for i in range(1, count + 1)),
                      key=lambda m: (m["node"], m["local"], m["wid"]))
@@ -285,6 +299,7 @@ def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], 
     store.set(f"gen/{number}/join/{position}", json.dumps(me))
     logger.info("worker %d asks the running generation %d to admit it", me["wid"], number)
     said = time.monotonic()
+    poll = _Poll()
     while time.monotonic() < deadline:
         if time.monotonic() - said > JOINER_STALE / 4:  # still waiting (and alive)
             store.set(f"gen/{number}/join/{position}/waiting", repr(time.time()))
@@ -297,7 +312,7 @@ def _admission(store: torch.distributed.Store, number: int, me: dict[str, int], 
             return _arrive(store, following, me["wid"], deadline)
         if not _lives(store, number):
             return None
-        time.sleep(POLL)
+        poll.sleep()
     return None
 
 
@@ -318,12 +333,13 @@ def _lives(store: torch.distributed.Store, number: int) -> bool:
 def _arrive(store: torch.distributed.Store, following: Generation, wid: int, deadline: float) -> Generation | None:
     """An admitted joiner says it is here and waits for rank 0's go; None when the admission was abandoned."""
     store.set(f"gen/{following.number}/arrived/{wid}", "1")
+    poll = _Poll()
     while time.monotonic() < deadline:
         if store.check([f"gen/{following.number}/go"]):
             return following
         if _get(store, f"gen/{following.number}/state") == _FAILED:
             return None  # another joiner did not arrive: ask again
-        time.sleep(POLL)
+        poll.sleep()
     return None
 
 
@@ -339,10 +355,11 @@ def await_arrivals(following: Generation, timeout: float) -> bool:
     assert record.store is not None
     keys = [f"gen/{following.number}/arrived/{wid}" for wid in following.joiners]
     deadline = time.monotonic() + timeout
+    poll = _Poll()
     while not record.store.check(keys):
         if time.monotonic() > deadline:
             return False
-        time.sleep(POLL)
+        poll.sleep()
     record.store.set(f"gen/{following.number}/go", "1")
     return True
 
@@ -391,12 +408,13 @@ def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Gener
     store, current = record.store, record.generation
     store.set(f"gen/{current.number}/alive/{record.wid}", "1")
     deadline = time.monotonic() + timeout
+    poll = _Poll()
     while True:
         alive = [m for m in current.members if store.check([f"gen/{current.number}/alive/{m['wid']}"])]
         undecided = [m for m in current.members if m not in alive and not _is_dead(m, agent_stale)]
         if not undecided or time.monotonic() > deadline:
             break
-        time.sleep(POLL)
+        poll.sleep()
     # A change may have planned the next generation already (the loss came during it): the numbers go on.
     proposal = Generation(int(_get(store, "gen") or current.number) + 1, tuple(alive))
     agreed = Generation.from_json(store.compare_set(f"gen/{current.number}/after_loss", "", proposal.to_json()))
