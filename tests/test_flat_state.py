@@ -48,10 +48,12 @@ def test_unusual_tensors_and_containers_round_trip():
         "in_a_tuple": (torch.ones(2), 1), "in_a_list": [torch.full((2,), 2.0), None, "x"],
         "counter": collections.Counter({3: 2}), "parameter": torch.nn.Parameter(torch.ones(2)),
         "with_attribute": with_attribute, "nested": {"a": {"b": [torch.eye(2)]}}, 1: torch.ones(1),
+        "requires_grad": torch.ones(2, requires_grad=True), "float8": torch.randn(4).to(torch.float8_e4m3fn),
     }
     out = _flat_state.unpack(_flat_state.pack(state), "test state")
     assert_same(out, state)
     assert out["conjugate"].is_conj() is False and torch.equal(out["conjugate"], state["conjugate"].resolve_conj())
+    assert out["requires_grad"].requires_grad
 
 
 def test_pack_leaves_the_state_alone_and_unpack_copies():

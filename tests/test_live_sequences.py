@@ -43,7 +43,7 @@ from elastic_harness import live_pids, wait_exit
 from live_harness import check_after_rollbacks, exits, launch, logs, steps, wait_steps
 from live_harness import jobs  # noqa: F401  (the fixture)
 
-SETTINGS = {"WORKER_EPOCHS": "20", "WORKER_STEP_SLEEP": "0.05", "WORKER_LOADER_WORKERS": "1",
+SETTINGS = {"WORKER_EPOCHS": "30", "WORKER_STEP_SLEEP": "0.05", "WORKER_LOADER_WORKERS": "1",
             "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5", "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
 EPOCHS = int(SETTINGS["WORKER_EPOCHS"])
 #: Changes per sequence, and the most workers the job may have.

@@ -101,10 +101,20 @@ def _strip(value: Any, path: Path, found: list[tuple[Path, torch.Tensor]]) -> An
     return value
 
 
+#: The dtypes whose values are whole bytes each (sub-byte and other exotic dtypes travel through ``torch.save``).
+_WHOLE_BYTE_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+})
+
+
 def _packable(value: Any) -> bool:
-    """Whether ``value`` is a tensor whose bytes alone say it all: a plain dense tensor with no attributes."""
+    """Whether ``value`` is a tensor whose bytes alone say it all: a plain dense tensor of a whole-byte dtype,
+    with no Python attributes and no ``requires_grad`` to keep."""
     return (type(value) is torch.Tensor and value.layout == torch.strided and not value.is_quantized
-            and value.device.type != "meta" and not vars(value))
+            and value.dtype in _WHOLE_BYTE_DTYPES and value.device.type != "meta" and not value.requires_grad
+            and not vars(value))
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:

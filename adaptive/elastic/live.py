@@ -33,7 +33,8 @@ When a member is lost, the step in flight fails on the others; they record
 it on the step instead of raising (:func:`adaptive.runtime.step.record_fault`),
 skip its optimizer step, and at the next boundary call :func:`recover`:
 they re-form on the store without the lost member
-(:func:`adaptive.runtime.membership.reform_after_loss`) and go back to the
+(:func:`adaptive.runtime.membership.reform_after_loss`; again, when another
+member is lost while they re-form) and go back to the
 last in-memory snapshot of every state (:func:`take_snapshot`, taken at
 agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
 each loop's first boundary), so the steps since then are trained again.
@@ -172,6 +173,8 @@ def _where(metadata: dict[str, Any]) -> str:
 SNAPSHOT_INTERVAL_VAR = "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL"
 #: Seconds the members that are left wait for the others to say whether they live.
 REFORM_TIMEOUT = 30.0
+#: How many times the members that are left re-form when more members are lost while they re-form.
+REFORM_ATTEMPTS = 3
 
 
 @dataclasses.dataclass
@@ -257,12 +260,9 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
         return False
     started = time.perf_counter()
     before = env.num_replicas()
-    following = membership.reform_after_loss(REFORM_TIMEOUT)
-    if following is None:
-        logger.error("the members that are left took this one for dead; restarting it")
+    points = _reform(where, at_loop_start)
+    if points is None:
         return False
-    collectives.regroup(following, broken=True)
-    points = collectives.allgather_object((where, at_loop_start))
     if len(set(points)) != 1:  # e.g. one member finished the loop's last step while another lost it
         logger.error("lost a member (%s), and the members that are left stopped at different points %s; "
                      "restarting from the checkpoint", error, sorted(set(points), key=repr))
@@ -286,6 +286,32 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     back_to = ("the start of this loop" if at_loop_start else
                f"the snapshot of {time.monotonic() - (snapshot.taken_at or time.monotonic()):.1f} s ago")
     logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",
-                   type(error).__name__ if error else "?", before, env.num_replicas(), following.number, back_to,
-                   time.perf_counter() - started)
+                   type(error).__name__ if error else "?", before, env.num_replicas(), membership.generation_number(),
+                   back_to, time.perf_counter() - started)
     return True
+
+
+def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
+    """Re-form without the lost members and gather where each member stopped; None when this one cannot go on.
+
+    A member lost while the others re-form (two kills a few milliseconds
+    apart: the second one said it was alive, then died) breaks the new
+    group's first collective; nothing was restored yet, so the members that
+    are left re-form again without it, up to :data:`REFORM_ATTEMPTS` times.
+    """
+    for attempt in range(1, REFORM_ATTEMPTS + 1):
+        following = membership.reform_after_loss(REFORM_TIMEOUT)
+        if following is None:
+            logger.error("the members that are left took this one for dead; restarting it")
+            return None
+        collectives.regroup(following, broken=True)
+        try:
+            return collectives.allgather_object((where, at_loop_start))
+        except collectives.CollectiveError as error:
+            logger.warning("lost another member while re-forming (%s); re-forming again (attempt %d of %d)",
+                           error, attempt, REFORM_ATTEMPTS)
+            membership.report_loss()  # members still waiting on the new group give up too
+            fault_tolerant_group.close_all()
+    logger.error("lost members each time the others re-formed (%d times); restarting from the checkpoint",
+                 REFORM_ATTEMPTS)
+    return None

@@ -19,6 +19,9 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_DIE_BEFORE_EPOCH  "E:R": the first process of its launcher that is rank R of 2 or more SIGKILLs
                         itself as epoch E's loader loop is about to start (its peers are then at that loop's
                         first boundary); it appends its PID and the time to ``died.jsonl`` first
+    WORKER_DIE_WHILE_REFORMING "1": the first process of its launcher SIGKILLs itself once it re-formed after
+                        a lost member (it said it lives and built the new group with the others) and before it
+                        meets them on that group; it appends its PID and the time to ``died.jsonl`` first
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
@@ -32,6 +35,7 @@ writes ``done.json``.  Each process appends its pid and exit status to
 ``exits.jsonl``.
 """
 
+import faulthandler
 import logging
 import math
 import os
@@ -59,8 +63,10 @@ EVAL = os.environ.get("WORKER_EVAL") == "1"
 TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
 SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
 DIE_BEFORE_EPOCH = os.environ.get("WORKER_DIE_BEFORE_EPOCH")
+DIE_WHILE_REFORMING = os.environ.get("WORKER_DIE_WHILE_REFORMING") == "1"
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
+faulthandler.enable()  # a crash (say, at interpreter teardown) leaves every thread's Python stack in the log
 logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
 
 
@@ -109,9 +115,27 @@ def die_before_loop(epoch):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_while_reforming():
+    """WORKER_DIE_WHILE_REFORMING: this process dies (SIGKILL) right after its first re-forming's new group."""
+    from adaptive.runtime import collectives
+
+    regroup = collectives.regroup
+
+    def dying(following, *, broken=False):
+        regroup(following, broken=broken)
+        if broken and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            append_jsonl(os.path.join(OUT, "died.jsonl"), {"pid": os.getpid(), "time": time.time(),
+                                                           "generation": following.number})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    collectives.regroup = dying
+
+
 def main():
     if TRANSFER_LOG or SLOW_JOIN:
         log_transfers()
+    if DIE_WHILE_REFORMING:
+        die_while_reforming()
     adaptive.init_process_group("gloo")
     if EVAL and dist.get_rank() != 0:
         dist.barrier()  # rank 0 prepares the data first
