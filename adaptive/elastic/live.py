@@ -250,8 +250,7 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     """
     snapshot = current_job().part(_Snapshot)
     error = step_records.stream().fault
-    membership.report_loss()  # a member still waiting in a collective with one that stopped sending comes too
-    fault_tolerant_group.close_all()
+    _give_up_on_the_group()
     states.abandon_pending_save()  # a background save in flight ran on the broken group
     at_loop_start = loop_untrained and snapshot.where != where and bool(snapshot.contents)
     if not at_loop_start and (snapshot.where != where or not snapshot.contents):
@@ -291,6 +290,13 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     return True
 
 
+def _give_up_on_the_group() -> None:
+    """This generation lost a member: say so on the store, so that a member still waiting in a collective with
+    one that stopped sending gives up and comes to re-form too, and close the mesh groups that record losses."""
+    membership.report_loss()
+    fault_tolerant_group.close_all()
+
+
 def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
     """Re-form without the lost members and gather where each member stopped; None when this one cannot go on.
 
@@ -310,8 +316,7 @@ def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
         except collectives.CollectiveError as error:
             logger.warning("lost another member while re-forming (%s); re-forming again (attempt %d of %d)",
                            error, attempt, REFORM_ATTEMPTS)
-            membership.report_loss()  # members still waiting on the new group give up too
-            fault_tolerant_group.close_all()
+            _give_up_on_the_group()
     logger.error("lost members each time the others re-formed (%d times); restarting from the checkpoint",
                  REFORM_ATTEMPTS)
     return None
