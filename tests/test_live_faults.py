@@ -288,20 +288,26 @@ def test_one_of_three_members_lost_while_they_train_flat_out(jobs, tmp_path):
 def test_a_member_lost_while_the_others_re_form(jobs, tmp_path):
     """Of three members one is SIGKILLed; a second one says it lives, builds the new group with the third and
     dies before it meets it there (two kills a few milliseconds apart).  The member left re-forms again, alone,
-    in its process (no restart from the checkpoint), and both killed workers' replacements join it."""
+    in its process (no restart from the checkpoint), and both killed workers' replacements join it.  The script
+    has DataLoader workers, a barrier while rank 0 prepares the data and a validation loop per epoch; the killed
+    workers' DataLoader workers are gone with them."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    launchers = {name: launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **SETTINGS, **extra)
+    settings = dict(SETTINGS, WORKER_LOADER_WORKERS="1", WORKER_EVAL="1")
+    launchers = {name: launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **settings, **extra)
                  for name, extra in (("first", {}), ("second", {"WORKER_DIE_WHILE_REFORMING": "1"}), ("third", {}))}
     records = wait_steps(out, lambda rs: sum(r["world"] == 3 for r in rs) >= 30, "three members to train")
     pids = {r["pid"] for r in records if r["world"] == 3}
     first, second, third = (_worker_of(launchers[name]) for name in ("first", "second", "third"))
     assert pids == {first, second, third}
+    loader_workers = [child.pid for pid in (second, third) for child in psutil.Process(pid).children(recursive=True)]
+    assert loader_workers, "the killed workers had no DataLoader worker processes"
     killed = time.time()
     os.kill(third, signal.SIGKILL)
     _wait_launchers(out, launchers)
     (died,) = [json.loads(line) for line in (out / "died.jsonl").read_text().splitlines()]
     assert died["pid"] == second and died["time"] > killed
     assert live_pids([second, third]) == []
+    assert live_pids(loader_workers) == [], "the killed workers' DataLoader workers outlived them"
     said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
     assert "lost another member while re-forming" in said, logs(out)
     check_after_rollbacks(out, epochs=EPOCHS)
