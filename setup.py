@@ -18,6 +18,7 @@ setup(
         "portpicker>=1.5",
         "psutil>=5.9",
         "pyyaml>=6.0",
+        "setproctitle>=1.3",
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

@@ -6,14 +6,17 @@ Adam; ``--quick``: 0.5M) on one live node, then:
 1. **join**: a second node starts; measured are the survivor's pause (the
    longest step interval around the change, less the median step) and the
    joiner's first step counted from the moment its Python process had
-   imported torch.  The joiner is started ahead of the change (it asks to
-   join once it is up), so *the change to the first step at the new size*
-   is the planned rescale's cost: the gap in the survivor's steps;
+   imported torch (a worker forked from the pre-warmed process has torch
+   imported from its first instant), and counted from its launcher's start.
+   The joiner is started ahead of the change (it asks to join once it is
+   up), so *the change to the first step at the new size* is the planned
+   rescale's cost: the gap in the survivor's steps;
 2. **leave**: SIGTERM to the second node; the survivor's pause;
 3. **lost worker**: SIGKILL of the second node's worker; the survivor's
    pause (it discards the step in flight, re-forms alone and goes back to
    its last in-memory snapshot; the steps since the snapshot are trained
-   again, which the pause does not count) and the time until the killed
+   again, which the pause does not count; the steps from the restart's join
+   on, whose own pause is a join's, neither) and the time until the killed
    worker's restart trains with it again;
 4. **steady state**: the median step time with two members against plain
    DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), and
@@ -46,7 +49,10 @@ step in the quorum (its torchrun restarts it; it heals from the survivor), and
 the survivor's pause at that rejoin.  A survivor that crashes instead is
 reported as such.
 
-    python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH] [--no-torchft]
+Live workers are forks of their node's pre-warmed process, as by default;
+``--cold-start`` runs them as new interpreters, for comparison.
+
+    python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH] [--no-torchft] [--cold-start]
 
 Prints a table; writes JSON (default ``benchmarks/results/bench_live.json``).
 """
@@ -56,6 +62,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import signal
 import statistics
@@ -127,7 +134,7 @@ def _pause(times: list[float], at: float) -> tuple[float, float]:
     return longest - median, longest
 
 
-def live_trial(width: int) -> dict:
+def live_trial(width: int, cold_start: bool = False) -> dict:
     import portpicker
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,12 +142,14 @@ def live_trial(width: int) -> dict:
         env = _environment(out, width)
         port = portpicker.pick_unused_port()
         cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--live", "--nnodes", "1:2", "--nproc-per-node",
-               "1", "--max-restarts", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER)]
+               "1", "--max-restarts", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               *(["--cold-start"] if cold_start else []), str(WORKER)]
         first = _start(cmd, env, out / "first.log")
         second = None
         try:
             _wait(lambda: sum(len(v) for v in _steps(out).values()) >= 30, 120, "the first node to train")
             (survivor,) = _steps(out)
+            launched = time.time()
             second = _start(cmd, env, out / "second.log")
             _wait(lambda: len([s for s in _steps(out).get(survivor, []) if s["world"] == 2]) >= 240, 120, "the join")
             steps = _steps(out)
@@ -151,6 +160,7 @@ def live_trial(width: int) -> dict:
             join_pause, _ = _pause([s["time"] for s in mine], change)
             start = json.loads((out / f"start.{joiner}.json").read_text())
             joiner_first = steps[joiner][0]["time"] - start["torch"]
+            joiner_launched = steps[joiner][0]["time"] - launched
             joiner_library = steps[joiner][0]["time"] - start["built"]
             two = [b["time"] - a["time"] for a, b in zip(mine, mine[1:]) if a["world"] == b["world"] == 2][40:]
             intervals = [s["gns_interval"] for s in mine if s["world"] == 2][40:]
@@ -174,9 +184,14 @@ def live_trial(width: int) -> dict:
                   "the lost worker to be back")
             back = min(v[0]["time"] for pid, v in _steps(out).items() if pid not in before and v)
             mine = _steps(out)[survivor]
-            loss_pause, _ = _pause([s["time"] for s in mine], next(s["time"] for s in mine if s["time"] > killed))
+            after_kill = next(s["time"] for s in mine if s["time"] > killed)
+            # the restart joins soon after (0.4 s when forked): the pause of its join is not the loss's
+            alone = next((s["time"] for s in mine if s["time"] > killed and s["world"] == 1), None)
+            rejoined = next((s["time"] for s in mine if alone and s["time"] > alone and s["world"] == 2), math.inf)
+            loss_pause, _ = _pause([s["time"] for s in mine if s["time"] < rejoined], after_kill)
             return {"survivor pause at a join": join_pause,
                     "joiner first step from import torch": joiner_first,
+                    "joiner first step from its launcher's start": joiner_launched,
                     "joiner first step from its model and optimizer built": joiner_library,
                     "planned rescale (change to first step at 2)": change - last_alone,
                     "survivor pause at a leave": leave_pause,
@@ -339,6 +354,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--json", default=str(HERE / "results" / "bench_live.json"))
     parser.add_argument("--no-torchft", action="store_true", help="skip the TorchFT column even if it is installed")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="live workers start as new interpreters, not forked from the pre-warmed process")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as bytecode:
         _cache_bytecode(Path(bytecode))
@@ -365,7 +382,8 @@ def _run(args: argparse.Namespace) -> None:
     missing = "not run" if args.no_torchft else torchft_status()
     runs, torchft_runs = [], []
     for _ in range(trials):
-        runs.append({**torchrun_trial(width, plain=True), **torchrun_trial(width, plain=False), **live_trial(width)})
+        runs.append({**torchrun_trial(width, plain=True), **torchrun_trial(width, plain=False),
+                     **live_trial(width, args.cold_start)})
         if missing is None:
             torchft_runs.append(torchft_trial(width))
     good = [run for run in runs if "failed" not in run]
@@ -376,8 +394,9 @@ def _run(args: argparse.Namespace) -> None:
     plain = [run["step time, plain DDP"] for run in runs if "step time, plain DDP" in run]
     torchft = missing or _torchft_summary(torchft_runs, statistics.median(plain) if plain else None)
     params = 2 * width * width + 10 * width + 2 * width + 10
+    starts = "new interpreters (--cold-start)" if args.cold_start else "forks of the pre-warmed process"
     print(f"live membership changes, 2 processes, gloo, model {params / 1e6:.1f}M params + Adam; median of "
-          f"{len(good)} of {trials} trials (seconds, or a ratio)")
+          f"{len(good)} of {trials} trials (seconds, or a ratio); live workers start as {starts}")
     if isinstance(torchft, dict):
         print(f"torchft {torchft['version']}: 2 replica groups of 1 process, Lighthouse heartbeat timeout "
               f"{TORCHFT_HEARTBEAT_TIMEOUT_MS} ms; median of {len(torchft_runs) - torchft['failed']} of "
@@ -406,7 +425,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"failed torchft trial: {run['failed']}\n{run.get('log', '')}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"trials": runs, "median": median, "goals": GOALS, "params": params,
-                                           "torchft": torchft}, indent=2))
+                                           "cold start": args.cold_start, "torchft": torchft}, indent=2))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,17 @@ def launch(jobs: Jobs, out: Path, port: int, name: str, per_node: int = 1, resta
     return jobs.launch(args, out, f"{name}.log", script=script, **settings)
 
 
+def worker_pids(launcher_pid: int, script: str = "live_worker") -> list[int]:
+    """The PIDs of a launcher's training workers running ``script``: forks of its pre-warmed process (their
+    process title is the script's command line), or its own children with ``--cold-start``."""
+    import psutil
+
+    parents = [psutil.Process(launcher_pid)]
+    parents += [child for child in parents[0].children() if "_warm_server" in " ".join(child.cmdline())]
+    return [child.pid for parent in parents for child in parent.children()
+            if script in " ".join(child.cmdline())]
+
+
 def steps(out: Path) -> list[dict]:
     """Every step record of every process, oldest first."""
     records = []

@@ -19,7 +19,7 @@ import portpicker
 
 from elastic_harness import live_pids, wait_exit, wait_for
 from live_harness import BATCH, LIVE_WORKER, REPO, SAMPLES, check_after_rollbacks, check_steps, exits, launch, logs
-from live_harness import replayed_draws, steps, wait_steps
+from live_harness import replayed_draws, steps, wait_steps, worker_pids
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 
@@ -101,7 +101,7 @@ def test_the_executor_resizes_a_live_job_without_stopping_it(tmp_path):
     """The scheduler's decisions 1 -> 2 -> 1 replicas reach a running job as a join and a leave."""
     from policy_cases import ScriptedPolicy
     from scheduler.cluster import ClusterSpec
-    from scheduler.executor.executor import Executor, JobState
+    from scheduler.executor.executor import Executor
     from scheduler.executor.jobspec import JobSpec
     from scheduler.executor.local_live import LiveLocalBackend
 
@@ -178,8 +178,6 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     """The joiner's worker is SIGKILLed as soon as it asked to join (while it is admitted and receives
     the state): whatever that interrupts, its agent starts it again and every step is still trained by
     all its members from one state, each sample once per epoch."""
-    import psutil
-
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
                 "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
@@ -188,8 +186,7 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     second = launch(jobs, out, port, "second", restarts=2, **settings)
     wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
              "the joiner to ask to join")
-    (victim,) = [child.pid for child in psutil.Process(second.pid).children() if "live_worker" in " ".join(
-        child.cmdline())]
+    (victim,) = worker_pids(second.pid)
     os.kill(victim, signal.SIGKILL)
     assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)

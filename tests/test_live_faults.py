@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from elastic_harness import live_pids, wait_exit, wait_for
-from live_harness import check_after_rollbacks, check_steps, exits, launch, logs, steps, wait_steps
+from live_harness import check_after_rollbacks, check_steps, exits, launch, logs, steps, wait_steps, worker_pids
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 #: The job's name: its keys on the launchers' store are under it.
@@ -69,8 +69,7 @@ def _wait_launchers(out: Path, launchers: dict, codes: dict[str, int] | None = N
 
 def _worker_of(launcher) -> int:
     """The PID of a launcher's (only) worker."""
-    (pid,) = [child.pid for child in psutil.Process(launcher.pid).children()
-              if "live_worker" in " ".join(child.cmdline())]
+    (pid,) = worker_pids(launcher.pid)
     return pid
 
 

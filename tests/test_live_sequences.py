@@ -40,7 +40,7 @@ import psutil
 import pytest
 
 from elastic_harness import live_pids, wait_exit
-from live_harness import check_after_rollbacks, exits, launch, logs, steps, wait_steps
+from live_harness import check_after_rollbacks, exits, launch, logs, steps, wait_steps, worker_pids
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 SETTINGS = {"WORKER_EPOCHS": "30", "WORKER_STEP_SLEEP": "0.05", "WORKER_LOADER_WORKERS": "1",
@@ -75,8 +75,7 @@ class Cluster:
         return sum(node["workers"] for node in self.nodes.values())
 
     def worker_pids(self, name: str) -> list[int]:
-        return [child.pid for child in psutil.Process(self.nodes[name]["launcher"].pid).children()
-                if "live_worker" in " ".join(child.cmdline())]
+        return worker_pids(self.nodes[name]["launcher"].pid)
 
     def kill_one(self, name: str, rng: random.Random) -> int:
         pid = rng.choice(self.worker_pids(name))
@@ -88,8 +87,7 @@ class Cluster:
 
     def leave(self, name: str) -> None:
         node = self.nodes.pop(name)
-        self.left.update(child.pid for child in psutil.Process(node["launcher"].pid).children()
-                         if "live_worker" in " ".join(child.cmdline()))
+        self.left.update(worker_pids(node["launcher"].pid))
         node["launcher"].send_signal(signal.SIGTERM)
         self.ended[name] = (node["launcher"], 143)
 

@@ -25,6 +25,7 @@ import pytest
 
 from elastic_harness import live_pids, wait_exit
 from live_harness import SAMPLES, exits, jobs, launch, logs, replayed_draws, steps, wait_steps  # noqa: F401 (jobs)
+from live_harness import worker_pids
 
 REPO = Path(__file__).resolve().parent.parent
 FSDP_WORKER = REPO / "tests" / "workers" / "live_fsdp_worker.py"
@@ -146,8 +147,8 @@ def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
     second = launch(jobs, out, port, "second", per_node=2, restarts=2, script=FSDP_WORKER, **settings)
     records = wait_steps(out, lambda rs: sum(r["world"] == 4 for r in rs) >= 24, "four members to train")
     before = {r["rank"]: r["pid"] for r in records if r["world"] == 4}
-    first_node = {child.pid for child in psutil.Process(first.pid).children()} & set(before.values())
-    second_node = {child.pid for child in psutil.Process(second.pid).children()} & set(before.values())
+    first_node = set(worker_pids(first.pid, FSDP_WORKER.name)) & set(before.values())
+    second_node = set(worker_pids(second.pid, FSDP_WORKER.name)) & set(before.values())
     assert len(first_node) == len(second_node) == 2, (first_node, second_node, before)
     victim = max(second_node)
     victim_loader_workers = [child.pid for child in psutil.Process(victim).children()]

@@ -5,7 +5,8 @@ the restartable epoch loop (:mod:`.epoch`), replica-summed metrics that
 survive restarts (:mod:`.accumulator`), the checkpointed random generators
 (:mod:`.random_state`), live membership changes (:mod:`.live`) and the
 ``adaptive-run`` launcher (:mod:`.launcher`, with its live agent in
-:mod:`.live_agent`).
+:mod:`.live_agent`, which forks workers from a pre-warmed process:
+:mod:`.warm_start`).
 It stands on the runtime (:mod:`adaptive.runtime`: environment, job context,
 collectives) and on the checkpoints (:mod:`adaptive.checkpoint`); ``env``,
 ``init_process_group`` and ``CollectiveError`` are handed on from the runtime.

@@ -54,6 +54,7 @@ import threading
 import time
 from argparse import Namespace
 
+from adaptive.elastic import warm_start
 from adaptive.runtime import launch_status, process_tree
 
 __all__ = ["main", "RDZV_DEFAULTS", "build_args"]
@@ -89,7 +90,21 @@ def build_args(argv: list[str]) -> Namespace:
     parser.prog, parser.allow_abbrev = "adaptive-run", False
     parser.add_argument("--live", action="store_true",
                         help="change membership without restarting the workers (adaptive.elastic.live_agent)")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE[,MODULE...]",
+                        help="with --live: more modules for the pre-warmed process to import ahead (the script's "
+                             "heavy imports), so that a (re)started worker does not wait for them")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="with --live: start each worker as a new interpreter, not as a fork of the "
+                             "pre-warmed process")
     args = parser.parse_args(argv)
+    if (args.preload or args.cold_start) and not args.live:
+        parser.error("--preload and --cold-start apply to --live only")
+    if args.preload and args.cold_start:
+        parser.error("--preload has nothing to preload into with --cold-start")
+    args.preload = [name.strip() for value in args.preload for name in value.split(",") if name.strip()]
+    for name in args.preload:
+        if not all(part.isidentifier() for part in name.split(".")):
+            parser.error(f"--preload takes module names such as 'transformers', got {name!r}")
     args.rdzv_conf = _merge_rdzv_conf(args.rdzv_conf or "")
     return args
 
@@ -99,7 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     process_tree.bind_to_parent()  # when a backend named itself: die with it
     os.environ[process_tree.PARENT_PID_VAR] = str(os.getpid())  # the workers, inheriting it, die with us
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = build_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    warm = warm_start.start_early(argv)  # its imports run beside ours: parsing the arguments imports torch
+    args = build_args(argv)
+    if warm is not None and (not args.live or args.cold_start):
+        warm.close()
+        warm = None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import run
 
@@ -109,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         from adaptive.elastic import live_agent
 
         try:
-            status = live_agent.run(args, status_dir)
+            status = live_agent.run(args, status_dir, warm)
         finally:
             shutil.rmtree(status_dir, ignore_errors=True)
         _exit_now(status)

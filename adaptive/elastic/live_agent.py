@@ -12,7 +12,11 @@ arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
   workers may leave before);
 * it starts ``--nproc-per-node`` workers, each bound to it (they die with
   it, whatever kills it) and told the store, this node's number and the
-  job's minimum and maximum size;
+  job's minimum and maximum size.  Each worker is a fork of this node's
+  pre-warmed process, which imported torch, ``torch._dynamo`` and the library
+  (and the modules named with ``--preload``) once, while the agent joined
+  the job (:mod:`adaptive.elastic.warm_start`); with ``--cold-start``, or
+  when that process cannot serve, a worker is a new interpreter;
 * a worker that exits with 0 (training done) or 143 (it left, or the job
   stopped, with nothing lost) is done; a worker that fails is started again
   (at most ``--max-restarts`` times per agent) and joins the running job,
@@ -43,6 +47,7 @@ from typing import Any
 
 import portpicker
 
+from adaptive.elastic.warm_start import WarmStarter, WarmWorker
 from adaptive.runtime import env, launch_status, membership, process_tree
 
 __all__ = ["run", "DONE_EXIT_CODES"]
@@ -125,12 +130,14 @@ def _host_or_connect(host: str, port: int) -> tuple[Any, bool]:
 class LiveAgent:
     """Starts, watches and restarts this node's workers (see the module docstring)."""
 
-    def __init__(self, args: Namespace, status_dir: str) -> None:
+    def __init__(self, args: Namespace, status_dir: str, warm: WarmStarter | None = None) -> None:
         self.per_node = int(args.nproc_per_node)
         if self.per_node < 1:
             raise SystemExit(f"adaptive-run --live: --nproc-per-node must be a number >= 1, got {args.nproc_per_node!r}")
+        self.module, self.script, self.script_args = bool(args.module), args.training_script, args.training_script_args
         self.command = [sys.executable, "-u", *(["-m"] if args.module else []), args.training_script,
                         *args.training_script_args]
+        self.warm = warm
         self.smallest, self.largest = _size_bounds(args, self.per_node)
         self.restarts_left = int(args.max_restarts)
         self.host, self.port = _endpoint(args)
@@ -139,7 +146,7 @@ class LiveAgent:
         self._beat()
         self.status_dir = status_dir
         self.job_id = _job_id(args)
-        self.workers: dict[int, subprocess.Popen[bytes] | None] = {}
+        self.workers: dict[int, subprocess.Popen[bytes] | WarmWorker | None] = {}
         self.codes: dict[int, int] = {}
         self.starts: dict[int, int] = {}
         self.stopping = False
@@ -158,9 +165,17 @@ class LiveAgent:
         return environment
 
     def _start(self, local_rank: int) -> None:
-        worker = self.workers[local_rank] = subprocess.Popen(self.command, env=self._environment(local_rank))
+        environment = self._environment(local_rank)
+        forked = None if self.warm is None else self.warm.start(self.script, self.module, self.script_args,
+                                                                  environment)
+        if forked is not None:
+            self.workers[local_rank] = forked
+            logger.info("adaptive-run --live: node %d forks worker %d from its pre-warmed process", self.node,
+                        local_rank)
+        else:
+            cold = self.workers[local_rank] = subprocess.Popen(self.command, env=environment)
+            logger.info("adaptive-run --live: node %d started worker %d (pid %d)", self.node, local_rank, cold.pid)
         self.starts[local_rank] = self.starts.get(local_rank, 0) + 1
-        logger.info("adaptive-run --live: node %d started worker %d (pid %d)", self.node, local_rank, worker.pid)
 
     def stop(self, signum: int, frame: Any = None) -> None:
         """Pass a stop to the workers: they leave the job at their next agreed step."""
@@ -276,13 +291,26 @@ class LiveAgent:
         return False
 
 
-def run(args: Namespace, status_dir: str) -> int:
-    """``adaptive-run --live ARGS``: run this node's part of a live job; returns the exit status."""
-    agent = LiveAgent(args, status_dir)
-    signal.signal(signal.SIGTERM, agent.stop)
-    signal.signal(signal.SIGINT, agent.stop)
+def run(args: Namespace, status_dir: str, warm: WarmStarter | None = None) -> int:
+    """``adaptive-run --live ARGS``: run this node's part of a live job; returns the exit status.
+
+    ``warm``: the pre-warmed process when the launcher started it already
+    (:func:`~adaptive.elastic.warm_start.start_early`); else it is started
+    here, unless ``--cold-start``.
+    """
+    if warm is None and not args.cold_start:
+        warm = WarmStarter()  # it imports while the agent joins the job
+    if warm is not None:
+        warm.preload(args.preload)
     try:
-        status = agent.run()
+        agent = LiveAgent(args, status_dir, warm)
+        signal.signal(signal.SIGTERM, agent.stop)
+        signal.signal(signal.SIGINT, agent.stop)
+        try:
+            status = agent.run()
+        finally:
+            agent.release()
     finally:
-        agent.release()
+        if warm is not None:
+            warm.close()
     return status

@@ -1,0 +1,182 @@
+"""Workers forked from a pre-warmed process, for ``adaptive-run --live``.
+
+:class:`WarmStarter` starts this node's pre-warmed process
+(:mod:`adaptive.elastic._warm_server`) when the agent starts, while the agent
+joins the job; from then on a worker started or restarted on this node is a
+fork of it, with torch, ``torch._dynamo`` and the library already imported,
+instead of a new interpreter that imports them again.  A worker restarted
+after a loss, or started on a joining node, is back in the job that much
+sooner.  Each :class:`WarmWorker` answers the part of
+:class:`subprocess.Popen` the agent uses (``pid``, ``poll()``,
+``send_signal()``).
+
+The pre-warmed process is a child of the agent; the workers are its
+children, so it reaps them and reports their exit status.  When it cannot
+serve (it refused because CUDA was initialised by a preloaded module, or it
+died), :meth:`WarmStarter.start` returns None and the agent starts workers
+as new interpreters, saying why once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from adaptive.runtime import process_tree
+
+__all__ = ["WarmStarter", "WarmWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class WarmWorker:
+    """A worker forked by the pre-warmed process; its PID is known once the fork is reported."""
+
+    def __init__(self, starter: WarmStarter, request_id: int) -> None:
+        self._starter = starter
+        self.request_id = request_id
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._signals: list[int] = []
+
+    def poll(self) -> int | None:
+        """The exit status once the worker has exited (negative: the signal that ended it), else None."""
+        self._starter.read_reports()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the worker; before its fork is reported, as soon as it is."""
+        if self.pid is None:
+            self._signals.append(sig)
+            return
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _forked(self, pid: int) -> None:
+        self.pid = pid
+        for sig in self._signals:
+            self.send_signal(sig)
+        self._signals.clear()
+
+
+class WarmStarter:
+    """This node's pre-warmed process and the workers forked from it (see the module docstring)."""
+
+    def __init__(self) -> None:
+        requests_read, self._requests = os.pipe()
+        self._reports, reports_write = os.pipe()
+        os.set_blocking(self._reports, False)
+        command = [sys.executable, "-u", "-m", "adaptive.elastic._warm_server", "--requests", str(requests_read),
+                   "--reports", str(reports_write)]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(command, env=process_tree.child_environment(),
+                                        pass_fds=(requests_read, reports_write))
+        os.close(requests_read)
+        os.close(reports_write)
+        self.refused: str | None = None
+        self._buffer = b""
+        self._next_id = 0
+        self._waiting: dict[int, WarmWorker] = {}
+        self._running: dict[int, WarmWorker] = {}
+        logger.debug("adaptive-run --live: pre-warmed process started (pid %d)", self.process.pid)
+
+    @property
+    def serving(self) -> bool:
+        """Whether workers can be forked: the pre-warmed process lives and has not refused."""
+        self.read_reports()
+        return self.refused is None
+
+    def preload(self, modules: list[str]) -> None:
+        """Have the pre-warmed process import ``modules`` too, before it forks the next worker."""
+        if modules:
+            self._send({"preload": list(modules)})
+
+    def start(self, target: str, module: bool, args: list[str], env: dict[str, str]) -> WarmWorker | None:
+        """Ask for a worker running ``target`` (a script, or a module when ``module``) with ``args`` and ``env``;
+        None when the pre-warmed process cannot serve (the caller starts a new interpreter)."""
+        if not self.serving:
+            return None
+        self._next_id += 1
+        worker = self._waiting[self._next_id] = WarmWorker(self, self._next_id)
+        request = {"id": worker.request_id, "target": target, "module": module, "args": list(args),
+                   "env": {**env, process_tree.PARENT_PID_VAR: str(self.process.pid)}, "cwd": os.getcwd()}
+        if not self._send(request):
+            del self._waiting[worker.request_id]
+            return None
+        return worker
+
+    def _send(self, message: dict[str, Any]) -> bool:
+        try:
+            os.write(self._requests, (json.dumps(message) + "\n").encode())
+        except BrokenPipeError:
+            self._lost("its request pipe is closed")
+            return False
+        return True
+
+    def read_reports(self) -> None:
+        """Take in what the pre-warmed process reported since the last look."""
+        if self.refused is not None:
+            return
+        while True:
+            try:
+                chunk = os.read(self._reports, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._lost(f"it exited with {self.process.wait()}")
+                return
+            self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            self._take(json.loads(line))
+
+    def _take(self, report: dict[str, Any]) -> None:
+        if "ready" in report:
+            logger.info("adaptive-run --live: pre-warmed process ready in %.1f s; workers start as its forks",
+                        report["ready"])
+        elif "warning" in report:
+            logger.warning("adaptive-run --live: pre-warmed process: %s", report["warning"])
+        elif "refused" in report:
+            self._lost(f"it refused to serve: {report['refused']}")
+        elif "id" in report:
+            worker = self._waiting.pop(report["id"])
+            self._running[report["pid"]] = worker
+            worker._forked(report["pid"])
+        elif "code" in report and report["pid"] in self._running:
+            self._running.pop(report["pid"]).returncode = report["code"]
+
+    def _lost(self, why: str) -> None:
+        """The pre-warmed process cannot serve: its workers are gone with it (they die with their parent)."""
+        if self.refused is None:
+            logger.warning("adaptive-run --live: workers start as new interpreters from now on; the pre-warmed "
+                           "process cannot serve: %s", why)
+        self.refused = why
+        for worker in [*self._waiting.values(), *self._running.values()]:
+            worker.returncode = -int(signal.SIGKILL)
+        self._waiting.clear()
+        self._running.clear()
+
+    def close(self) -> None:
+        """End the pre-warmed process, once its workers are done (or not wanted after all)."""
+        os.close(self._requests)
+        self.process.kill()  # it may still be importing; it holds nothing to save
+        self.process.wait()
+        os.close(self._reports)
+
+
+def start_early(argv: list[str]) -> WarmStarter | None:
+    """The pre-warmed process, started before the launcher imports torch to read ``argv``, when ``argv`` asks for
+    ``--live`` without ``--cold-start``: both imports then run at once.  A guess from the raw arguments (a script's
+    own ``--live`` counts too): the launcher closes the process once the parsed arguments say it is not wanted."""
+    if "--live" in argv and "--cold-start" not in argv:
+        return WarmStarter()
+    return None
