@@ -147,3 +147,18 @@ def test_workers_start_as_new_interpreters_once_the_pre_warmed_process_is_lost(j
     os.kill(launcher.pid, signal.SIGTERM)
     assert wait_exit(launcher, 60, out / "node.log") == 143
     assert "workers start as new interpreters from now on" in (out / "node.log").read_text()
+
+
+def test_a_preloaded_module_that_initialises_cuda_makes_the_workers_new_interpreters(jobs, tmp_path):
+    """A fork cannot use CUDA initialised before it: the pre-warmed process refuses to serve, and the worker
+    asked for meanwhile starts as a new interpreter without spending a restart."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "initialises_cuda.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    out = tmp_path / "out"
+    launcher = launch(jobs, out, "--nproc-per-node", "1", "--max-restarts", "0", "--preload", "initialises_cuda",
+                      PYTHONPATH=os.pathsep.join([str(REPO), str(modules)]))
+    assert wait_exit(launcher, 120, out / "node.log") == 0, tail(out / "node.log")
+    (probe,) = probes(out)
+    assert probe["ppid"] == launcher.pid and "torch" not in probe["preloaded"]
+    assert "cannot serve: a preloaded module initialised CUDA" in (out / "node.log").read_text()

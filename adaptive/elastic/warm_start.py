@@ -14,7 +14,8 @@ The pre-warmed process is a child of the agent; the workers are its
 children, so it reaps them and reports their exit status.  When it cannot
 serve (it refused because CUDA was initialised by a preloaded module, or it
 died), :meth:`WarmStarter.start` returns None and the agent starts workers
-as new interpreters, saying why once.
+as new interpreters, saying why once; a worker asked for and not forked yet
+is started as one by its :class:`WarmWorker` (no restart is spent on it).
 """
 
 from __future__ import annotations
@@ -36,36 +37,49 @@ logger = logging.getLogger(__name__)
 
 
 class WarmWorker:
-    """A worker forked by the pre-warmed process; its PID is known once the fork is reported."""
+    """A worker forked by the pre-warmed process; its PID is known once the fork is reported.
 
-    def __init__(self, starter: WarmStarter, request_id: int) -> None:
+    One the pre-warmed process could not fork (it refused, or was lost,
+    first) runs ``command`` as a new interpreter instead, with ``env``.
+    """
+
+    def __init__(self, starter: WarmStarter, request_id: int, command: list[str], env: dict[str, str]) -> None:
         self._starter = starter
         self.request_id = request_id
+        self.command, self.env = command, env
         self.pid: int | None = None
         self.returncode: int | None = None
         self._signals: list[int] = []
+        self._cold: subprocess.Popen[bytes] | None = None
 
     def poll(self) -> int | None:
         """The exit status once the worker has exited (negative: the signal that ended it), else None."""
-        self._starter.read_reports()
-        return self.returncode
+        if self._cold is None:
+            self._starter.read_reports()  # which starts this worker cold if the pre-warmed process was lost first
+        return self.returncode if self._cold is None else self._cold.poll()
 
     def send_signal(self, sig: int) -> None:
         """Signal the worker; before its fork is reported, as soon as it is."""
-        if self.pid is None:
+        if self._cold is not None:
+            self._cold.send_signal(sig)
+        elif self.pid is None:
             self._signals.append(sig)
-            return
-        if self.returncode is None:
+        elif self.returncode is None:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 
-    def _forked(self, pid: int) -> None:
+    def _started(self, pid: int) -> None:
         self.pid = pid
         for sig in self._signals:
             self.send_signal(sig)
         self._signals.clear()
+
+    def _start_cold(self) -> None:
+        self._cold = subprocess.Popen(self.command, env=self.env)
+        logger.info("adaptive-run --live: started a worker as a new interpreter instead (pid %d)", self._cold.pid)
+        self._started(self._cold.pid)
 
 
 class WarmStarter:
@@ -106,7 +120,8 @@ class WarmStarter:
         if not self.serving:
             return None
         self._next_id += 1
-        worker = self._waiting[self._next_id] = WarmWorker(self, self._next_id)
+        command = [sys.executable, "-u", *(["-m"] if module else []), target, *args]
+        worker = self._waiting[self._next_id] = WarmWorker(self, self._next_id, command, env)
         request = {"id": worker.request_id, "target": target, "module": module, "args": list(args),
                    "env": {**env, process_tree.PARENT_PID_VAR: str(self.process.pid)}, "cwd": os.getcwd()}
         if not self._send(request):
@@ -146,24 +161,28 @@ class WarmStarter:
         elif "warning" in report:
             logger.warning("adaptive-run --live: pre-warmed process: %s", report["warning"])
         elif "refused" in report:
-            self._lost(f"it refused to serve: {report['refused']}")
+            self._lost(report["refused"])
         elif "id" in report:
             worker = self._waiting.pop(report["id"])
             self._running[report["pid"]] = worker
-            worker._forked(report["pid"])
+            worker._started(report["pid"])
         elif "code" in report and report["pid"] in self._running:
             self._running.pop(report["pid"]).returncode = report["code"]
 
     def _lost(self, why: str) -> None:
-        """The pre-warmed process cannot serve: its workers are gone with it (they die with their parent)."""
+        """The pre-warmed process cannot serve: the workers it forked are gone with it (they die with their
+        parent); those it had not forked yet start as new interpreters."""
         if self.refused is None:
             logger.warning("adaptive-run --live: workers start as new interpreters from now on; the pre-warmed "
                            "process cannot serve: %s", why)
         self.refused = why
-        for worker in [*self._waiting.values(), *self._running.values()]:
+        for worker in self._running.values():
             worker.returncode = -int(signal.SIGKILL)
+        waiting = list(self._waiting.values())
         self._waiting.clear()
         self._running.clear()
+        for worker in waiting:
+            worker._start_cold()
 
     def close(self) -> None:
         """End the pre-warmed process, once its workers are done (or not wanted after all)."""
