@@ -141,18 +141,19 @@ class WarmStarter:
         """Take in what the pre-warmed process reported since the last look."""
         if self.refused is not None:
             return
-        while True:
+        ended = False
+        while not ended:
             try:
                 chunk = os.read(self._reports, 1 << 16)
             except BlockingIOError:
                 break
-            if not chunk:
-                self._lost(f"it exited with {self.process.wait()}")
-                return
+            ended = not chunk
             self._buffer += chunk
-        while b"\n" in self._buffer:
+        while b"\n" in self._buffer and self.refused is None:  # its last words first: an exit, a refusal
             line, self._buffer = self._buffer.split(b"\n", 1)
             self._take(json.loads(line))
+        if ended and self.refused is None:
+            self._lost(f"it exited with {self.process.wait()}")
 
     def _take(self, report: dict[str, Any]) -> None:
         if "ready" in report:
