@@ -259,9 +259,13 @@ def wait(work: Any, what: str) -> None:
         try:
             work.wait(timeout=_WAIT_SLICE)
             return
-        except (RuntimeError, dist.DistError) as error:
-            if work.is_completed():  # failed, rather than not finished within the slice
-                raise _wrap_failure(what, error) from error
+        except (RuntimeError, dist.DistError):
+            if work.is_completed():  # it failed, or it finished as the slice ran out: waiting again tells which
+                try:
+                    work.wait(timeout=_WAIT_SLICE)
+                except (RuntimeError, dist.DistError) as error:
+                    raise _wrap_failure(what, error) from error
+                return
         if membership.loss_reported(generation):
             raise _wrap_failure(what, CollectiveError("another member reported a lost peer"))
 
