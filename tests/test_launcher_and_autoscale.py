@@ -147,3 +147,24 @@ def test_controller_hints_carry_the_completed_fraction(job, monkeypatch, tmp_pat
     assert controller.hints(grad, 1.0, completed_fraction=0.4).completed_fraction == 0.4
     controller.report_hints(grad, progress=1.0, completed_fraction=0.4)
     assert read_hints(tmp_path).completed_fraction == 0.4
+
+
+def test_a_stop_signal_that_surfaced_as_another_error_is_still_a_stop():
+    """SIGTERM landing inside torchrun's metrics wrapper, before its start time is set, surfaces as an
+    UnboundLocalError raised while handling torchrun's SignalException (seen in CI): still a stop."""
+    import signal as signals
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from adaptive.elastic.launcher import _signal_behind
+
+    stop = SignalException("Process 1 got signal: 15", sigval=signals.SIGTERM)
+    try:
+        try:
+            raise stop
+        except SignalException:
+            raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a value")
+    except UnboundLocalError as error:
+        assert _signal_behind(error) is stop
+    assert _signal_behind(stop) is stop
+    assert _signal_behind(RuntimeError("a worker failed")) is None

@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 from argparse import Namespace
+from typing import Any
 
 from adaptive.elastic import warm_start
 from adaptive.runtime import launch_status, process_tree
@@ -120,7 +121,6 @@ def main(argv: list[str] | None = None) -> None:
     if warm is not None and (not args.live or args.cold_start):
         warm.close()
         warm = None
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import run
 
     status_dir = tempfile.mkdtemp(prefix="adaptive-run-")
@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     _watch_for_stale_generation(status_dir)
     try:
         run(args)
-    except SignalException as stop:
-        _end_if_stale(status_dir)
+    except Exception as error:
+        stop = _signal_behind(error)
+        _end_if_stale(status_dir)  # the workers failed because a newer generation fenced them: say that
+        if stop is None:
+            raise
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
         problems = launch_status.stop_problems(status_dir, _local_workers(args))
         shutil.rmtree(status_dir, ignore_errors=True)
@@ -148,11 +151,29 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("adaptive-run: stopped by %s; every worker checkpointed; relaunch the same command "
                        "to resume", stop.sigval.name)
         _exit_now(128 + int(stop.sigval))
-    except Exception:
-        _end_if_stale(status_dir)  # the workers failed because a newer generation fenced them: say that
-        raise
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _signal_behind(error: BaseException) -> Any:
+    """The stop signal (torchrun's ``SignalException``) that ``error`` is, or arose while handling; else None.
+
+    torchrun turns SIGTERM and SIGINT into that exception wherever its agent
+    is; when it lands in the middle of torchrun's own bookkeeping (its metrics
+    wrapper, before the wrapper's start time is set) it surfaces as another
+    error, an ``UnboundLocalError`` raised while handling it.  The stop is
+    the same, and so are the workers' checkpoints.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, SignalException):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _exit_now(code: int) -> None:
