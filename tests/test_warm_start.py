@@ -43,6 +43,11 @@ def probes(out: Path) -> list[dict]:
     return sorted((json.loads(path.read_text()) for path in out.glob("probe.*.json")), key=lambda p: p["restart"])
 
 
+def wait_probes(out: Path, count: int, what: str) -> list[dict]:
+    """The probes once ``count`` workers have started."""
+    return wait_for(lambda: (lambda found: found if len(found) == count else None)(probes(out)), 120, what)
+
+
 def test_workers_are_forks_that_run_the_script_as_python_would(jobs, tmp_path):
     out = tmp_path / "out"
     launcher = launch(jobs, out, "--nproc-per-node", "2", script_args=("--flag", "x"))
@@ -73,6 +78,7 @@ def test_a_killed_worker_is_forked_again(jobs, tmp_path):
     assert killed["pid"] != restarted["pid"] and killed["ppid"] == restarted["ppid"]
     assert "torch._dynamo" in restarted["preloaded"]
     assert not (out / f"atexit.{killed['pid']}").exists() and (out / f"atexit.{restarted['pid']}").exists()
+    assert live_pids([killed["pid"], restarted["pid"], restarted["ppid"]]) == []  # gone, with the pre-warmed process
 
 
 def test_a_script_error_reads_as_under_python(jobs, tmp_path):
@@ -118,7 +124,7 @@ def test_bad_warm_start_options_are_refused(options, message, tmp_path):
 def test_the_pre_warmed_process_and_its_workers_die_with_the_launcher(jobs, tmp_path):
     out = tmp_path / "out"
     launcher = launch(jobs, out, "--nproc-per-node", "2", PROBE_WAIT="1")
-    found = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(probes(out)), 120, "both workers to start")
+    found = wait_probes(out, 2, "both workers to start")
     server = found[0]["ppid"]
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(timeout=30)
@@ -128,7 +134,7 @@ def test_the_pre_warmed_process_and_its_workers_die_with_the_launcher(jobs, tmp_
 def test_a_stopped_node_passes_the_stop_to_its_forked_workers(jobs, tmp_path):
     out = tmp_path / "out"
     launcher = launch(jobs, out, "--nproc-per-node", "2", PROBE_WAIT="1")
-    found = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(probes(out)), 120, "both workers to start")
+    found = wait_probes(out, 2, "both workers to start")
     os.kill(launcher.pid, signal.SIGTERM)
     assert wait_exit(launcher, 60, out / "node.log") == 143
     assert all((out / f"atexit.{p['pid']}").exists() for p in found)
@@ -138,9 +144,9 @@ def test_a_stopped_node_passes_the_stop_to_its_forked_workers(jobs, tmp_path):
 def test_workers_start_as_new_interpreters_once_the_pre_warmed_process_is_lost(jobs, tmp_path):
     out = tmp_path / "out"
     launcher = launch(jobs, out, "--nproc-per-node", "1", "--max-restarts", "1", PROBE_WAIT="1")
-    (forked,) = wait_for(lambda: probes(out) or None, 120, "the worker to start")
+    (forked,) = wait_probes(out, 1, "the worker to start")
     os.kill(forked["ppid"], signal.SIGKILL)  # the pre-warmed process; its worker dies with it
-    found = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(probes(out)), 120, "the worker's restart")
+    found = wait_probes(out, 2, "the worker's restart")
     restarted = next(p for p in found if p["pid"] != forked["pid"])
     assert restarted["ppid"] == launcher.pid and restarted["restart"] == "1"
     assert live_pids([forked["pid"], forked["ppid"]]) == []

@@ -14,7 +14,7 @@ directory, and exits as that
 interpreter would (atexit handlers, then the interpreter's teardown).
 
 Protocol, one JSON object per line: the agent writes
-``{"id", "target", "module", "args", "env", "cwd"}`` on the request pipe
+``{"id", "target", "module", "args", "title", "env", "cwd"}`` on the request pipe
 for a worker, ``{"preload": [modules]}`` for more modules to import;
 this process writes ``{"ready": seconds}`` once preloaded (or
 ``{"refused": why}`` and exits when forking is not safe: CUDA initialised by
@@ -46,6 +46,8 @@ from types import TracebackType
 from typing import Any
 
 import setproctitle
+
+from adaptive.runtime import process_tree
 
 __all__ = ["DEFAULT_PRELOAD", "main"]
 
@@ -125,8 +127,6 @@ def _become_worker(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    from adaptive.runtime import process_tree
-
     process_tree.bind_to_parent()  # the environment names this process's parent: die with it
     # What a new interpreter would not share with its siblings: the seeds drawn from the system at import.
     random.seed()
@@ -145,8 +145,7 @@ def _run_script(request: dict[str, Any]) -> None:
     target, args = request["target"], request["args"]
     sys.argv = [target, *args]
     # ps, top and whoever looks a worker up by its command line see the command a new interpreter would have
-    command = [sys.executable, "-u", *(["-m"] if request["module"] else []), target, *args]
-    setproctitle.setproctitle(" ".join(command))
+    setproctitle.setproctitle(request["title"])
     try:
         if request["module"]:
             sys.path[0] = os.getcwd()
@@ -175,8 +174,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, required=True, help="file descriptor the agent writes requests to")
     parser.add_argument("--reports", type=int, required=True, help="file descriptor this process reports on")
     args = parser.parse_args(argv)
-    from adaptive.runtime import process_tree
-
     process_tree.bind_to_parent()  # die with the agent, before the long imports
     # the process title takes over the memory of argv and the environment: claim it while both are as at start
     setproctitle.setproctitle(setproctitle.getproctitle())

@@ -40,14 +40,13 @@ import re
 import socket
 import signal
 import subprocess
-import sys
 import time
 from argparse import Namespace
 from typing import Any
 
 import portpicker
 
-from adaptive.elastic.warm_start import WarmStarter, WarmWorker
+from adaptive.elastic.warm_start import WarmStarter, WarmWorker, worker_command
 from adaptive.runtime import env, launch_status, membership, process_tree
 
 __all__ = ["run", "DONE_EXIT_CODES"]
@@ -135,8 +134,6 @@ class LiveAgent:
         if self.per_node < 1:
             raise SystemExit(f"adaptive-run --live: --nproc-per-node must be a number >= 1, got {args.nproc_per_node!r}")
         self.module, self.script, self.script_args = bool(args.module), args.training_script, args.training_script_args
-        self.command = [sys.executable, "-u", *(["-m"] if args.module else []), args.training_script,
-                        *args.training_script_args]
         self.warm = warm
         self.smallest, self.largest = _size_bounds(args, self.per_node)
         self.restarts_left = int(args.max_restarts)
@@ -173,7 +170,8 @@ class LiveAgent:
             logger.info("adaptive-run --live: node %d forks worker %d from its pre-warmed process", self.node,
                         local_rank)
         else:
-            cold = self.workers[local_rank] = subprocess.Popen(self.command, env=environment)
+            command = worker_command(self.script, self.module, self.script_args)
+            cold = self.workers[local_rank] = subprocess.Popen(command, env=environment)
             logger.info("adaptive-run --live: node %d started worker %d (pid %d)", self.node, local_rank, cold.pid)
         self.starts[local_rank] = self.starts.get(local_rank, 0) + 1
 

@@ -26,14 +26,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 from adaptive.runtime import process_tree
 
-__all__ = ["WarmStarter", "WarmWorker"]
+__all__ = ["WarmStarter", "WarmWorker", "worker_command"]
 
 logger = logging.getLogger(__name__)
+
+
+def worker_command(target: str, module: bool, args: list[str]) -> list[str]:
+    """The command line of a worker as a new interpreter: ``python -u [-m] TARGET ARGS``."""
+    return [sys.executable, "-u", *(["-m"] if module else []), target, *args]
 
 
 class WarmWorker:
@@ -91,7 +95,6 @@ class WarmStarter:
         os.set_blocking(self._reports, False)
         command = [sys.executable, "-u", "-m", "adaptive.elastic._warm_server", "--requests", str(requests_read),
                    "--reports", str(reports_write)]
-        self.started = time.monotonic()
         self.process = subprocess.Popen(command, env=process_tree.child_environment(),
                                         pass_fds=(requests_read, reports_write))
         os.close(requests_read)
@@ -120,9 +123,10 @@ class WarmStarter:
         if not self.serving:
             return None
         self._next_id += 1
-        command = [sys.executable, "-u", *(["-m"] if module else []), target, *args]
+        command = worker_command(target, module, args)
         worker = self._waiting[self._next_id] = WarmWorker(self, self._next_id, command, env)
         request = {"id": worker.request_id, "target": target, "module": module, "args": list(args),
+                   "title": " ".join(command),
                    "env": {**env, process_tree.PARENT_PID_VAR: str(self.process.pid)}, "cwd": os.getcwd()}
         if not self._send(request):
             del self._waiting[worker.request_id]
