@@ -54,6 +54,41 @@ def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_sur
     assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
 
 
+def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_loses_a_worker(jobs, tmp_path):
+    """pytorch/examples' mnist order: loaders (with autoscale), a validation loader and an accumulator before
+    the model wrapper.  A joiner builds all of it on a group of its own and is admitted at its first loop;
+    its worker is SIGKILLed and started again (admitted again), then its node leaves.  The survivor keeps
+    its PID, no one waits for a joiner's start-up, and every sample is trained once per epoch."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_ORDER": "loaders-first",
+                "WORKER_EVAL": "1", "WORKER_AUTOSCALE": "48,4,24,1,5", "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5",
+                "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
+    first = launch(jobs, out, port, "first", restarts=1, **settings)
+    records = wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    survivor = records[0]["pid"]
+    second = launch(jobs, out, port, "second", restarts=1, **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the joiner to train")
+    joiner = next(r["pid"] for r in records if r["pid"] != survivor)
+    killed = time.time()
+    os.kill(joiner, signal.SIGKILL)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 and r["time"] > killed and r["pid"] != joiner
+                                             for r in rs) >= 8, "the killed joiner's restart to train")
+    rejoined = next(r["pid"] for r in records if r["time"] > killed and r["pid"] not in (survivor, joiner))
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+
+    check_after_rollbacks(out, epochs=4)
+    assert {r["pid"] for r in steps(out)} == {survivor, joiner, rejoined}
+    assert exits(out) == {survivor: 0, rejoined: 143}, exits(out)
+    assert live_pids([survivor, joiner, rejoined]) == []
+    worlds = [r["world"] for r in steps(out) if r["pid"] == survivor and not r["discarded"]]
+    assert worlds[0] == 1 and worlds[-1] == 1 and 2 in worlds, worlds
+    validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in validation] == list(range(4)), validation
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
+
+
 def test_two_joiners_at_once_with_autoscale_and_accumulation(jobs, tmp_path):
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "WORKER_AUTOSCALE": "48,4,16,1,3"}

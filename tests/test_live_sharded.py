@@ -87,10 +87,13 @@ def _join_then_leave(jobs, out: Path, port: int, per_node: int, settings: dict[s
     return [tuple(records[0]["mesh"]) for records in _check_exact(out, epochs=int(settings["WORKER_EPOCHS"]))]
 
 
-def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path):
-    """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state."""
+@pytest.mark.parametrize("order", ["model-first", "loaders-first"])
+def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path, order):
+    """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state.
+    With the loaders built first, the joiner shards its model on a group of its own and shards it anew for
+    the generation it joins when it is admitted, at its first loop."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    meshes = _join_then_leave(jobs, out, port, 1, _settings())
+    meshes = _join_then_leave(jobs, out, port, 1, _settings(WORKER_ORDER=order))
     assert meshes[0] == (1,) and (2,) in meshes and meshes[-1] == (1,), meshes
     generations = sorted({r["generation"] for r in steps(out)})
     assert generations == [1, 2, 3], generations

@@ -5,9 +5,10 @@ When a live generation admits new members (see
 on disk: the new rank 0, a member that kept running, serialises every
 registered state exactly as a checkpoint would hold it (after each state's
 ``sync()``, which the old generation ran) and sends it to each joiner on
-the control group (the other members take no part); each joiner keeps it as a :class:`PeerCheckpoint`, which its states
-restore from as they are created, the way they restore from a checkpoint
-after a restart (:func:`adaptive.checkpoint.states.load_state`).  The bytes
+the control group (the other members take no part); each joiner keeps it as a :class:`PeerCheckpoint`, which the
+states it built restore from at its admission, and those it builds later as
+they are created, the way they restore from a checkpoint after a restart
+(:mod:`adaptive.checkpoint.admission`, :func:`adaptive.checkpoint.states.load_state`).  The bytes
 are loaded weights-only, like a file (guarantee G4), but in a flat format
 that spares the zip archive's copies and checksums
 (:mod:`adaptive.checkpoint._flat_state`).

@@ -71,6 +71,7 @@ __all__ = [
     "wait_for_pending_save",
     "load_state",
     "resumed_checkpoint",
+    "resume_from",
     "registered_states",
     "share_with_joiners",
     "sharded_states",
@@ -154,6 +155,16 @@ class State:
 
     def sync(self) -> None:
         """Collective hook called on every replica just before a save."""
+
+    def restore_on_admission(self) -> None:
+        """Live mode: restore from the running members' state, received when this process was admitted.
+
+        Called on a joiner for every state it built before admission (see
+        :mod:`adaptive.checkpoint.admission`), in creation order.  The default
+        restores as at creation (:func:`load_state`); a state whose object
+        holds more than its content (a sharded model's mesh) overrides it.
+        """
+        load_state(self)
 
     def manifest_step(self) -> tuple[str, int] | None:
         """``(label, step)`` that the checkpoint's manifest lists under ``loader_steps``; None (the default): none.
@@ -346,15 +357,9 @@ def resumed_checkpoint() -> Checkpoint | None:
     if session.resumed_looked_up:
         return session.resumed
     if membership.is_live():
-        collectives.init_process_group()  # joins the live job (a no-op once the script did)
-        collectives.complete_admission()  # a joiner built its objects: it asks the running members to admit it
-        if membership.membership().took_state_from_peers:  # admitted into a running generation
-            session.resumed, session.resumed_looked_up = peer_state.receive_states(), True
-            # As many steps since the last save as the members count, so that all decide alike whether
-            # a save agreed at the boundary repeats the last one (sync_points._act).
-            since = int((session.resumed.info.metadata or {}).get("steps_since_save", 0))
-            session.steps_at_save = stream().steps_committed - since
-            return session.resumed
+        collectives.init_process_group()  # forms the live job, or finds it running (a no-op once the script did)
+        if membership.membership().awaiting_admission:
+            return None  # restored when admitted (adaptive.checkpoint.admission), not from disk
     store = _checkpoint_store()
     resumed = session.resumed = store.latest()
     session.resumed_looked_up = True
@@ -378,6 +383,17 @@ def resumed_checkpoint() -> Checkpoint | None:
             env.num_replicas(),
         )
     return resumed
+
+
+def resume_from(checkpoint: Checkpoint, *, steps_at_save: int) -> None:
+    """This process resumes from ``checkpoint`` (a live joiner: the state its peers sent, at admission).
+
+    ``steps_at_save``: the committed loader steps at the members' last save,
+    counted as this process counts them.
+    """
+    session = _session()
+    session.resumed, session.resumed_looked_up = checkpoint, True
+    session.steps_at_save = steps_at_save
 
 
 def resumed_seq() -> int:
@@ -448,6 +464,11 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
     """
     _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
     check_bool("blocking", blocking)
+    if membership.is_live() and membership.membership().awaiting_admission:
+        raise RuntimeError("save_all_states() was called by a process that joins a running live job before it "
+                           "was admitted (admission comes at its first remaining_epochs_until, loader or "
+                           "Accumulator.synchronized() iteration): it has no state of the job to save yet; "
+                           "save inside or after the training loop")
     _saving.wait_for_pending_save()
     states = registered_states()
     for state in states:

@@ -8,6 +8,8 @@ tokens) consumed over the whole job, and a token-budget plan in progress.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from adaptive.checkpoint import states
 
 __all__ = ["LoaderState"]
@@ -19,8 +21,10 @@ _NAME_PREFIX = "adaptive.dataloader."
 class LoaderState(states.State):
     """Where a loader is: the loop in progress, its position, samples (tokens) consumed, finished loops."""
 
-    def __init__(self, name: str, batch_size: int, scope: int | None) -> None:
+    def __init__(self, name: str, batch_size: int, scope: int | None,
+                 after_admission: Callable[[], None] | None = None) -> None:
         super().__init__(_NAME_PREFIX + name, scope=scope)
+        self._after_admission = after_admission  # the loader follows a reference batch size restored late
         self.epoch: int | None = None  # epoch of the loop in progress (None: outside epochs)
         self.loop = 0  # which loop of this loader in that epoch (1-based; 0: none yet)
         self.index = 0  # global samples consumed (or skipped) by that loop
@@ -55,3 +59,8 @@ class LoaderState(states.State):
         self.batch_size = int(state["batch_size"])
         self.consumed = int(state["consumed"])
         self.plan = state["plan"]
+
+    def restore_on_admission(self) -> None:
+        """A live joiner restores its loader's position (and reference batch size) once admitted."""
+        if states.load_state(self) and self._after_admission is not None:
+            self._after_admission()

@@ -52,7 +52,7 @@ from typing import Any, Iterator
 import torch.utils.data
 
 from adaptive._utils.mix import mix64
-from adaptive.checkpoint import states
+from adaptive.checkpoint import admission, states
 from adaptive.elastic import epoch, live, random_state, sync_points
 from adaptive.observe import metrics
 from adaptive.parallel._training import trained_models
@@ -242,16 +242,31 @@ class AdaptiveDataLoader:
         self._report = LoaderReport(self)
         self._timing = self._report.timing
         self._scope_warned = False  # warned that this loader outlived the epoch that owns it
-        self._state = LoaderState(name, reference, states.epoch_scope())
-        if states.load_state(self._state) and self._state.batch_size != reference:
-            logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", name,
-                        "batch size" if self._schedule is None else "reference batch size",
-                        self._state.batch_size, reference)
-        self._init_batch_size = self._state.batch_size
-        self._sizer = self._make_sizer()
+        self._given_batch_size = reference
+        self._state = LoaderState(name, reference, states.epoch_scope(), after_admission=self._follow_restored_size)
+        states.load_state(self._state)
+        self._follow_restored_size()
         if self._schedule is not None and env.rank() == 0:
             logger.info("loader %s: %s", name, describe(self._schedule))
         sync_points.install_signal_handlers()
+
+    def _follow_restored_size(self) -> None:
+        """Size steps from the reference batch size the state holds (the checkpoint's, once restored).
+
+        Called when the loader is built and again when a live joiner restored
+        its state at admission, after it was built.
+        """
+        if self._state.batch_size != self._given_batch_size:
+            logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", self.name,
+                        "batch size" if self._schedule is None else "reference batch size",
+                        self._state.batch_size, self._given_batch_size)
+        self._init_batch_size = self._state.batch_size
+        self._sizer = self._make_sizer()
+        if self._controller is not None:
+            self._controller.config = dataclasses.replace(self._controller.config,
+                                                          init_batch_size=self._init_batch_size)
+            self._sizer.autoscale = self._controller.current
+            self._sizer.schedule = self._schedule  # only an explicit schedule caps autoscale
 
     def _default_reference(self, batch_size: int | None) -> int:
         """The reference size (what the LR was tuned for) when no checkpoint says otherwise."""
@@ -460,6 +475,7 @@ class AdaptiveDataLoader:
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[Any]:
+        admission.admit()  # live mode: a process that joins a running job becomes a member here, at the latest
         with _running_loop(self):
             key = epoch.current_epoch()
             self._warn_if_out_of_scope(key)

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from adaptive.checkpoint import states
+from adaptive.checkpoint import admission, states
 from adaptive.runtime import collectives
 from adaptive.runtime.step import loop_running
 from adaptive.elastic import epoch, sync_points
@@ -170,6 +170,7 @@ class Accumulator(collections.abc.MutableMapping[Any, Any]):
     @contextlib.contextmanager
     def synchronized(self) -> Iterator["Accumulator"]:
         """Sum every replica's increments into the totals; read totals inside."""
+        admission.admit()  # live mode: a process that joins a running job becomes a member here, at the latest
         if self._synchronized is not None:
             yield self
             return

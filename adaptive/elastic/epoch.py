@@ -35,7 +35,7 @@ import logging
 from typing import Any, Iterator
 
 from adaptive._utils.checks import check_float
-from adaptive.checkpoint import states
+from adaptive.checkpoint import admission, states
 from adaptive.runtime import env
 from adaptive.runtime.step import loop_running
 from adaptive.runtime.job import Job, current_job, on_reset
@@ -176,6 +176,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     if progress.looping:
         raise RuntimeError("remaining_epochs_until loops cannot be nested")
     warn_if_left_early()  # the previous epoch loop was left by a break, since the script goes on
+    admission.admit()  # live mode: a process that joins a running job becomes a member here, at the latest
     state = _epoch_state()
     generators = random_state.random_state()  # checkpointed with the epoch: replays draw the same numbers
     sync_points.install_signal_handlers()

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from adaptive._utils.checks import check_int
-from adaptive.checkpoint import states
+from adaptive.checkpoint import admission
 from adaptive.runtime import env, fault_tolerant_group, membership
 from adaptive.runtime.job import current_job
 
@@ -71,11 +71,11 @@ def sharding_mesh(shard_size: int | str | None = None, *, device_type: str | Non
             group's backend.
 
     Call after ``adaptive.init_process_group``; collective (every replica).
-    In live mode a process that joins a running job is admitted first, so
-    the mesh spans the generation it joins.
+    In live mode a process that joins a running job builds it over its group
+    of one until it is admitted (:mod:`adaptive.checkpoint.admission`);
+    :class:`~adaptive.AdaptiveFSDP` then shards anew for the generation it
+    joined.
     """
-    if membership.is_live():
-        states.resumed_checkpoint()  # a joiner is admitted here: the mesh is built for its generation
     replicas = env.num_replicas()
     kind = _device_type(device_type)
     if shard_size is None:
@@ -123,7 +123,7 @@ class _LiveShardSize:
 def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
     """A 2-D mesh over ``replicas`` with shard groups of :func:`live_shard_size` ``(wanted, replicas)``."""
     size = live_shard_size(wanted, replicas)
-    if size != wanted:
+    if size != wanted and not admission.awaiting():  # a joiner's group of one: it shards anew once admitted
         logger.warning("HSDP shard groups of %d replicas do not divide the %d replicas now; sharding in groups of "
                        "%d until they do", wanted, replicas, size)
     return _mesh(kind, (replicas // size, size), ("replicate", "shard"))

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from adaptive.checkpoint import peer_shards, states
+from adaptive.checkpoint import admission, peer_shards, states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, fault_tolerant_group, membership
 from adaptive.parallel import _sharding, _training
@@ -77,13 +77,14 @@ class _FullyShardedState(states.ShardedState):
 
     def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  parts: _training.TrainingParts, before_save: Callable[[], None],
-                 reshard: Callable[[], torch.nn.Module]) -> None:
+                 reshard: Callable[[], torch.nn.Module], admitted: Callable[[], None]) -> None:
         super().__init__(name)
         self.module = module
         self.optimizer = optimizer
         self.parts = parts
         self._before_save = before_save
         self._reshard = reshard
+        self._admitted = admitted
         self._saved_optimizer = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,6 +127,11 @@ class _FullyShardedState(states.ShardedState):
     def reshard_for_peers(self, gathered: Any) -> None:
         self.module = self._reshard()
         self.load_sharded_state_dict(lambda target: peer_shards.fill_from_rank0(target, gathered))
+
+    def restore_on_admission(self) -> None:
+        """A live joiner, admitted after it sharded its model on its group of one: the wrapper shards it anew
+        for the generation joined and fills it from rank 0, while the members reshard theirs (collective)."""
+        self._admitted()
 
 
 def _check_fsdp_options(options: dict[str, Any]) -> None:
@@ -205,7 +211,8 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         self.gns.attach(self.module, is_last_micro_step=_is_last_micro_step)
         parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
         self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts,
-                                         before_save=self._materialize, reshard=self._reshard)
+                                         before_save=self._materialize, reshard=self._reshard,
+                                         admitted=self._restore_on_admission)
         self._on_meta = _on_meta_device(self.module)
         if not self._on_meta:
             self._restore_and_wire()
@@ -218,8 +225,11 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         """Restore model, optimizer and the rest from the checkpoint, then install the optimizer's step hooks.
 
         Restore before the step hooks exist: creating a fresh optimizer's state for the load
-        (get_state_dict) runs one optimizer step with learning rate 0.
+        (get_state_dict) runs one optimizer step with learning rate 0.  A live joiner not admitted yet
+        does both once admitted (:meth:`_restore_on_admission`).
         """
+        if admission.awaiting():
+            return
         restored = states.load_state(self._state)
         self.step_lr = _training.wire_optimizer(self.optimizer, self.scaling_rule, self.gns)
         if restored and env.rank() == 0:
@@ -258,13 +268,25 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         """A model built on the meta device: once ``to_empty`` gave it storage, restore it (once)."""
         if not self._on_meta:
             return
+        self._check_materialized("the first forward")
+        self._on_meta = False
+        self._restore_and_wire()
+
+    def _check_materialized(self, when: str) -> None:
         if _on_meta_device(self.module):
             raise RuntimeError(
                 "the model is still on the meta device: after AdaptiveFSDP(model, optimizer), call "
-                "model.to_empty(device=...) and initialise the parameters (reset_parameters() or your init) "
-                "before the first forward; AdaptiveFSDP then restores the checkpoint over that initialisation "
+                f"model.to_empty(device=...) and initialise the parameters (reset_parameters() or your init) "
+                f"before {when}; AdaptiveFSDP then restores the checkpoint over that initialisation "
                 "(see docs/sharding.md, 'Models built on the meta device')")
+
+    def _restore_on_admission(self) -> None:
+        """Live mode: this process was admitted into a running job after it built this wrapper on its group of
+        one.  Shard the model anew for the generation it joined, take the shards from the next rank 0 (the
+        members reshard theirs meanwhile, in the same order), then wire the optimizer."""
+        self._check_materialized("its first training loop (where a process joining a live job is admitted)")
         self._on_meta = False
+        self._state.module = self._reshard()
         self._restore_and_wire()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -300,10 +322,10 @@ def _live_blueprint(module: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _live_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """``mesh``, or in live mode one of its kind for the generation this process is in (a joiner is admitted first)."""
+    """``mesh``, or in live mode one of its kind for the generation this process is in (a joiner not admitted
+    yet: its group of one; it shards anew for the generation it joins once admitted)."""
     if not membership.is_live():
         return mesh
-    states.resumed_checkpoint()  # a joiner is admitted here, so it shards for the generation it joins
     if mesh is None:
         return mesh
     if mesh.size() != env.num_replicas():

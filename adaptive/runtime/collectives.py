@@ -132,10 +132,11 @@ def _make_side_groups(delta: datetime.timedelta) -> None:
 def complete_admission() -> None:
     """Live mode: a process that found the job running joins it now, in place of its group of one.
 
-    Called when the process first needs the job's state (its first
-    checkpointed object is restored): its model, optimizer and loaders
-    were built by then, so the running members wait only for the state to
-    arrive.  Does nothing for a member.
+    Called at its admission point (:func:`adaptive.checkpoint.admission.admit`:
+    its first epoch, loader or ``synchronized()`` iteration): its model,
+    optimizer and loaders were built by then, on its group of one, so the
+    running members wait only for the state to arrive.  Does nothing for a
+    member.
     """
     record = membership.membership()
     if not record.awaiting_admission:

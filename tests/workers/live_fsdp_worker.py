@@ -11,6 +11,8 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_EVAL         "1": rank 0 prepares the data first behind a barrier, and a validation loop with an
                         Accumulator created in the epoch runs after each epoch's training (rank 0 appends
                         its per-sample counts to ``val.jsonl``)
+    WORKER_ORDER        "loaders-first": build the loaders and the accumulator before the sharded model
+                        (default: the model first)
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step:
 its rank, the world size, the mesh shape and the live generation then, the
@@ -64,22 +66,34 @@ def full_digest(model, optimizer, scheduler):
     return state_digest({"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict()})
 
 
+def build_model():
+    torch.manual_seed(0)
+    model = BlockStack(WIDTH)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+    mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None
+    return adaptive.AdaptiveFSDP(model, optimizer, scheduler, mesh=mesh), optimizer, scheduler
+
+
+def build_loaders():
+    loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=7,
+                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
+    val_loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, name="val") if EVAL else None
+    return loader, val_loader, adaptive.Accumulator()
+
+
 def main():
     adaptive.init_process_group("gloo")
     if EVAL and dist.get_rank() != 0:
         dist.barrier()  # rank 0 prepares the data first
     if EVAL and dist.get_rank() == 0:
         dist.barrier()
-    torch.manual_seed(0)
-    model = BlockStack(WIDTH)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
-    mesh = sharding_mesh(int(SHARD_SIZE)) if SHARD_SIZE else None
-    model = adaptive.AdaptiveFSDP(model, optimizer, scheduler, mesh=mesh)
-    loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, shuffle=True, seed=7,
-                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
-    val_loader = adaptive.AdaptiveDataLoader(BlockDataset(SAMPLES), batch_size=BATCH, name="val") if EVAL else None
-    counts = adaptive.Accumulator()
+    if os.environ.get("WORKER_ORDER") == "loaders-first":
+        loader, val_loader, counts = build_loaders()
+        model, optimizer, scheduler = build_model()
+    else:
+        model, optimizer, scheduler = build_model()
+        loader, val_loader, counts = build_loaders()
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         for x, y, index in loader:

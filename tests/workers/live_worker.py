@@ -19,6 +19,8 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_DIE_BEFORE_EPOCH  "E:R": the first process of its launcher that is rank R of 2 or more SIGKILLs
                         itself as epoch E's loader loop is about to start (its peers are then at that loop's
                         first boundary); it appends its PID and the time to ``died.jsonl`` first
+    WORKER_ORDER        "loaders-first": build the loaders and the accumulator before the model wrapper (as
+                        pytorch/examples' mnist builds its DataLoaders before its model); default: the wrapper first
     WORKER_DIE_WHILE_REFORMING "1": the first process of its launcher SIGKILLs itself once it re-formed after
                         a lost member (it said it lives and built the new group with the others) and before it
                         meets them on that group; it appends its PID and the time to ``died.jsonl`` first
@@ -64,6 +66,7 @@ TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
 SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
 DIE_BEFORE_EPOCH = os.environ.get("WORKER_DIE_BEFORE_EPOCH")
 DIE_WHILE_REFORMING = os.environ.get("WORKER_DIE_WHILE_REFORMING") == "1"
+LOADERS_FIRST = os.environ.get("WORKER_ORDER", "model-first") == "loaders-first"
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
 faulthandler.enable()  # a crash (say, at interpreter teardown) leaves every thread's Python stack in the log
@@ -131,6 +134,24 @@ def die_while_reforming():
     collectives.regroup = dying
 
 
+def build_model():
+    model = StepCountingLinear(2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+    return adaptive.AdaptiveDataParallel(model, optimizer, scheduler), optimizer, scheduler
+
+
+def build_loaders():
+    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
+                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
+    if AUTOSCALE:
+        max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
+        loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
+                                    adapt_every=every)
+    val_loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, name="val") if EVAL else None
+    return loader, val_loader, adaptive.Accumulator()
+
+
 def main():
     if TRANSFER_LOG or SLOW_JOIN:
         log_transfers()
@@ -141,18 +162,12 @@ def main():
         dist.barrier()  # rank 0 prepares the data first
     if EVAL and dist.get_rank() == 0:
         dist.barrier()
-    model = StepCountingLinear(2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
-    model = adaptive.AdaptiveDataParallel(model, optimizer, scheduler)
-    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
-                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
-    if AUTOSCALE:
-        max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
-        loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
-                                    adapt_every=every)
-    val_loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, name="val") if EVAL else None
-    counts = adaptive.Accumulator()
+    if LOADERS_FIRST:
+        loader, val_loader, counts = build_loaders()
+        model, optimizer, scheduler = build_model()
+    else:
+        model, optimizer, scheduler = build_model()
+        loader, val_loader, counts = build_loaders()
     log = os.path.join(OUT, f"steps.{os.getpid()}.jsonl")
     indices, digest, draw = [], None, None
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
