@@ -312,3 +312,60 @@ def test_a_member_lost_while_the_others_re_form(jobs, tmp_path):
     check_after_rollbacks(out, epochs=EPOCHS)
     after = _check_survivors(out, {first}, third, killed)
     assert second not in {r["pid"] for r in after if r["time"] > died["time"]}
+
+
+def _three_members(jobs, out: Path, port: int, **extra: str) -> tuple[dict, dict[int, int]]:
+    """Three launchers of one worker each, training together; returns them and the workers' PIDs by rank."""
+    launchers = {name: launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **dict(SETTINGS, **extra))
+                 for name in ("first", "second", "third")}
+    records = wait_steps(out, lambda rs: sum(r["world"] == 3 for r in rs) >= 15, "three members to train")
+    last = max(r["generation"] for r in records if r["world"] == 3)
+    return launchers, {r["rank"]: r["pid"] for r in records if r["world"] == 3 and r["generation"] == last}
+
+
+@pytest.mark.parametrize("step_sleep", ["0.005", pytest.param("0.03", marks=pytest.mark.slow),
+                                        pytest.param("0.08", marks=pytest.mark.slow)])
+def test_two_members_killed_50_ms_apart(jobs, tmp_path, step_sleep):
+    """Of three members two are SIGKILLed 50 ms apart (a lost machine takes several workers, one after the
+    other), as they train at several paces (so that the second kill lands in a step, in the re-forming after
+    the first, or in the new group's rendezvous): the one left trains again within 30 s (in memory, or from
+    the checkpoint if the second loss broke what cannot be discarded), the replacements join it, and every
+    launcher ends."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    launchers, pids = _three_members(jobs, out, port, WORKER_STEP_SLEEP=step_sleep)
+    killed = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.05)
+    os.kill(pids[2], signal.SIGKILL)
+    wait_steps(out, lambda rs: any(r["time"] > killed + 0.5 and not r["discarded"] for r in rs),
+               "the member left to train again", timeout=30)
+    _wait_launchers(out, launchers)
+    assert live_pids([pids[1], pids[2]]) == []
+    check_after_rollbacks(out, epochs=EPOCHS)
+
+
+def test_a_stopped_member_is_named_taken_out_and_started_again(jobs, tmp_path):
+    """A worker stopped with SIGSTOP (a hung process: its sockets stay open, so no collective fails) is taken
+    out by the others once it gave no sign of life for the hang timeout, named in their log; they train again
+    without it in their processes, its launcher kills it (by PID) and starts it again, and the new worker joins
+    them; the job ends exact."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    launchers, pids = _three_members(jobs, out, port, ADAPTIVE_LIVE_HANG_TIMEOUT="4")
+    stopped = time.time()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        records = wait_steps(out, lambda rs: any(r["time"] > stopped + 0.5 and not r["discarded"] and r["world"] == 3
+                                                 and r["pid"] not in pids.values() for r in rs),
+                             "the stopped worker's replacement to train with the others", timeout=40)
+    finally:
+        if live_pids([pids[1]]):
+            os.kill(pids[1], signal.SIGCONT)
+    back = min(r["time"] for r in records if r["time"] > stopped + 0.5 and not r["discarded"])
+    assert back - stopped < 4 + 10, f"the others trained again only {back - stopped:.1f} s after the stop"
+    assert live_pids([pids[1]]) == [], "the stopped worker was not killed"
+    _wait_launchers(out, launchers)
+    said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
+    assert "gave no sign of life" in said and "out as hung; killing it" in said, logs(out)
+    assert exits(out)[pids[0]] == 0 and exits(out)[pids[2]] == 0, exits(out)
+    assert not any(r["pid"] == pids[1] and r["time"] > stopped for r in steps(out))
+    check_after_rollbacks(out, epochs=EPOCHS)

@@ -301,17 +301,18 @@ def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
     """Re-form without the lost members and gather where each member stopped; None when this one cannot go on.
 
     A member lost while the others re-form (two kills a few milliseconds
-    apart: the second one said it was alive, then died) breaks the new
-    group's first collective; nothing was restored yet, so the members that
-    are left re-form again without it, up to :data:`REFORM_ATTEMPTS` times.
+    apart: the second one said it was alive, then died) does not come to
+    build the new group, or breaks its first collective; nothing was
+    restored yet, so the members that are left re-form again without it, up
+    to :data:`REFORM_ATTEMPTS` times.
     """
     for attempt in range(1, REFORM_ATTEMPTS + 1):
         following = membership.reform_after_loss(REFORM_TIMEOUT)
         if following is None:
             logger.error("the members that are left took this one for dead; restarting it")
             return None
-        collectives.regroup(following, broken=True)
         try:
+            collectives.regroup(following, broken=True)
             return collectives.allgather_object((where, at_loop_start))
         except collectives.CollectiveError as error:
             logger.warning("lost another member while re-forming (%s); re-forming again (attempt %d of %d)",

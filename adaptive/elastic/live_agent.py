@@ -23,6 +23,10 @@ arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
   taking its state from its peers, or forms a new generation from the
   checkpoint when no member is left; a worker fenced by a newer incarnation
   (exit 3) ends this agent with 3;
+* a worker that the other members took out of the job as hung (it gave no
+  sign of life for ``ADAPTIVE_LIVE_HANG_TIMEOUT``: stopped, or stuck) is
+  killed, with its process tree, and started again like a failed one: it
+  joins the running job anew;
 * SIGTERM or SIGINT is passed to the workers, which leave the job at their
   next agreed step (the others continue); when every agent is stopped the
   last members checkpoint and the job stops as without live mode.
@@ -202,6 +206,7 @@ class LiveAgent:
             time.sleep(POLL)
             if time.monotonic() - self.beaten > BEAT_INTERVAL:
                 self._beat()
+                self._kill_hung()
             if self.stopping and stop_deadline is None:
                 stop_deadline = time.monotonic() + STOP_GRACE
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -238,6 +243,25 @@ class LiveAgent:
                        local_rank, code, self.restarts_left)
         self._start(local_rank)
         return None
+
+    def _kill_hung(self) -> None:
+        """Kill the workers that the job's other members took out as hung (they are started again as failed)."""
+        store = membership.job_store(self.store, self.job_id)
+        for local_rank, worker in self.workers.items():
+            if worker is None or worker.pid is None or worker.poll() is not None:
+                continue
+            try:
+                key = membership.worker_of_key(self.node, local_rank)
+                wid = int(store.get(key)) if store.check([key]) else None
+                hung = wid is not None and store.check([membership.dead_key(wid)]) and \
+                    store.get(membership.dead_key(wid)) == membership.HUNG
+            except (RuntimeError, OSError, ValueError) as error:
+                logger.debug("could not read whether worker %d was taken out as hung: %s", local_rank, error)
+                continue
+            if hung:
+                logger.warning("adaptive-run --live: the job's other members took worker %d (pid %d) out as hung; "
+                               "killing it", local_rank, worker.pid)
+                process_tree.kill_process_tree(worker.pid, include_root=True, timeout=5.0)
 
     def _say_dead(self, local_rank: int) -> None:
         """Tell the job's other members that this local rank's worker died (they stop waiting for it)."""

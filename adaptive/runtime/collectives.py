@@ -111,12 +111,25 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
 
 
 def _init_generation(backend: str, generation: membership.Generation, delta: datetime.timedelta) -> None:
-    """The default group of a live generation, on its own prefix of the launchers' store."""
+    """The default group of a live generation, on its own prefix of the launchers' store.
+
+    The members meet on the store first (:func:`adaptive.runtime.membership.meet`): a member lost since the
+    generation was agreed fails this with :class:`CollectiveError` within seconds, not at the timeout.
+    """
     wid = membership.membership().wid
     assert wid is not None
     os.environ.update(membership.members_env(generation, wid))  # env.rank() & co. follow the membership
-    dist.init_process_group(backend, store=membership.generation_store(generation.number), rank=env.rank(),
-                            world_size=env.num_replicas(), timeout=delta)
+    _groups().backend = backend
+    missing = membership.meet(generation) if len(generation.members) > 1 else []
+    if missing:
+        raise CollectiveError(f"generation {generation.number}'s group cannot form: worker(s) "
+                              f"{', '.join(map(str, missing))} did not come")
+    try:
+        dist.init_process_group(backend, store=membership.generation_store(generation.number), rank=env.rank(),
+                                world_size=env.num_replicas(), timeout=delta)
+    except (RuntimeError, dist.DistError) as error:  # a member lost after it met the others
+        raise _wrap_failure(f"the rendezvous of generation {generation.number}'s group", error) from error
+    membership.group_formed(delta.total_seconds())
 
 
 def _make_side_groups(delta: datetime.timedelta) -> None:
@@ -162,11 +175,14 @@ def regroup(following: membership.Generation, *, broken: bool = False) -> None:
     if groups.executor is not None:  # operations of the old asynchronous group: all issued, let them finish
         groups.executor.shutdown(wait=not broken)
         groups.executor = None
-    backend = dist.get_backend()
     delta = datetime.timedelta(seconds=groups.timeout or env.collective_timeout())
-    if broken:
-        broken_groups.keep(dist.group.WORLD, groups.control, groups.asynchronous, timeout=delta.total_seconds())
-    dist.destroy_process_group()
+    if dist.is_initialized():  # not after a new generation's group failed to form (a member lost meanwhile)
+        groups.backend = dist.get_backend()
+        if broken:
+            broken_groups.keep(dist.group.WORLD, groups.control, groups.asynchronous, timeout=delta.total_seconds())
+        dist.destroy_process_group()
+    backend = groups.backend
+    assert backend is not None, "a live member's first group was built by init_process_group"
     groups.control = groups.asynchronous = None
     groups.retained.clear()
     membership.enter(following)

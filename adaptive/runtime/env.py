@@ -60,14 +60,18 @@ __all__ = [
     "collective_timeout",
     "torchelastic_restart_count",
     "progress_interval",
+    "live_hang_timeout",
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_LIVE_HANG_TIMEOUT",
 ]
 
 #: Seconds between periodic checkpoints when ``ADAPTIVE_CHECKPOINT_INTERVAL`` is unset.
 DEFAULT_CHECKPOINT_INTERVAL = 300.0
 #: Seconds a collective may wait for a peer when ``ADAPTIVE_COLLECTIVE_TIMEOUT`` is unset.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+#: Seconds without a sign of life after which a live member is taken for hung (``ADAPTIVE_LIVE_HANG_TIMEOUT``).
+DEFAULT_LIVE_HANG_TIMEOUT = 10.0
 
 
 def _int_var(name: str, default: int, minimum: int = 0) -> int:
@@ -215,6 +219,12 @@ def collective_timeout() -> float:
     if value <= 0:
         raise ValueError("environment variable ADAPTIVE_COLLECTIVE_TIMEOUT must be > 0 seconds")
     return value
+
+
+def live_hang_timeout() -> float:
+    """Live mode: seconds a member may give no sign of life before the others take it out as hung
+    (``ADAPTIVE_LIVE_HANG_TIMEOUT``, default 10; at least 1)."""
+    return _float_var("ADAPTIVE_LIVE_HANG_TIMEOUT", DEFAULT_LIVE_HANG_TIMEOUT, minimum=1.0)
 
 
 def progress_interval() -> float:

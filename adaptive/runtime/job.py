@@ -49,6 +49,7 @@ class ProcessGroups:
     executor: concurrent.futures.ThreadPoolExecutor | None = None  # the thread that runs asynchronous operations
     owns_default_group: bool = False  # init_process_group created the default group
     timeout: float | None = None  # seconds a collective waits for its peers (init_process_group's)
+    backend: str | None = None  # the default group's backend (live mode rebuilds it on each generation)
     teardown_registered: bool = False
     #: The last finished agreements' (work, tensor): released well after gloo's thread has let go of them.
     retained: collections.deque[tuple[object, object]] = dataclasses.field(

@@ -24,7 +24,15 @@ in one of two ways (:func:`join`):
 After a lost member the others agree on the next generation here, without a
 process group (:func:`reform_after_loss`): each says it is alive, and a
 member is dead when its launcher said so (:func:`dead_key`), when its
-launcher's sign of life (:func:`agent_key`) grew old, or after a timeout.
+launcher's sign of life (:func:`agent_key`) grew old, when its own sign of
+life stopped for the hang timeout (:mod:`adaptive.runtime.liveness`: a
+stopped or hung process, which a member waiting for it takes out of the job,
+:func:`loss_reported`), or after a timeout.
+
+Before the members of a generation build its process group they meet on
+the store (:func:`meet`): a member that died or hung after the generation
+was agreed is found there, within seconds, instead of leaving the others
+in the group's rendezvous until the collective timeout.
 
 A generation ends as ``running`` -> ``closed`` (it became the next one),
 ``failed`` (a member saw a peer die and the restart path took over:
@@ -41,6 +49,7 @@ with :func:`on_regroup` and is told when the group changed.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
@@ -49,7 +58,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable
 
-from adaptive.runtime import env
+from adaptive.runtime import env, liveness
 from adaptive.runtime.job import current_job
 
 if TYPE_CHECKING:
@@ -58,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
            "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed",
            "mark_ended", "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
-           "reform_after_loss", "report_loss", "loss_reported", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
+           "reform_after_loss", "report_loss", "loss_reported", "meet", "group_formed", "beat_key", "MEET_TIMEOUT", "HUNG", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +89,13 @@ JOINER_STALE = 2.0
 AGENT_STALE = 5.0
 #: Seconds rank 0 waits for the admitted joiners to arrive before it continues without them.
 ADMISSION_TIMEOUT = 5.0
+#: Seconds the members of a new generation wait for each other before they build its group (:func:`meet`),
+#: and the longest its group's rendezvous may take once they met.
+MEET_TIMEOUT = 10.0
+#: Seconds between a waiting member's looks at the others' signs of life (:func:`loss_reported`).
+HANG_CHECK_INTERVAL = 0.5
+#: What :func:`dead_key` holds for a member the others took out as hung (its launcher kills it).
+HUNG = b"hung"
 
 _RUNNING, _CLOSED, _FAILED, _ENDED = "running", "closed", "failed", "ended"
 
@@ -120,6 +136,10 @@ class Membership:
     awaiting_admission: bool = False  # found a running generation; asks to join once its objects are built
     listeners: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     changes: int = 0  # generations this process went through after its first
+    beat: liveness.Beat | None = None  # this worker's sign of life
+    watch: liveness.Watch = dataclasses.field(default_factory=liveness.Watch)  # the others' signs of life
+    hang_checked_at: float = 0.0  # monotonic: when loss_reported last looked at the others' signs of life
+    group_client: torch.distributed.Store | None = None  # the connection the generation's groups rendezvous on
 
 
 def is_live() -> bool:
@@ -146,16 +166,34 @@ def _int_env(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def _connect(timeout: float) -> torch.distributed.Store:
+def _client(timeout: float) -> torch.distributed.Store:
+    """A new connection to the launchers' store, whose blocking calls give up after ``timeout`` seconds."""
     import torch.distributed as dist
 
     host, _, port = os.environ[STORE_VAR].rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"environment variable {STORE_VAR}={os.environ[STORE_VAR]!r} must be host:port")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    membership().agents = store
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def _connect(timeout: float) -> torch.distributed.Store:
+    store = membership().agents = _client(timeout)
     return job_store(store, env.job_id())
+
+
+def beat_key(wid: int) -> str:
+    """The key (in the job's keys) of worker ``wid``'s sign of life: a counter (:mod:`.liveness`)."""
+    return f"beat/{wid}"
+
+
+def _start_beating(wid: int) -> None:
+    record = membership()
+    if record.beat is None:
+        record.beat = liveness.Beat(lambda: job_store(_client(liveness.BEAT_INTERVAL * 4), env.job_id()),
+                                    beat_key(wid))
+        record.beat.start()
+        atexit.register(record.beat.stop)  # before the interpreter's teardown, not inside a store call
 
 
 #: The launchers' counter of agents, which numbers their nodes (on the launchers' store, outside every job's keys).
@@ -192,12 +230,28 @@ class _Poll:
 
 
 def generation_store(number: int) -> torch.distributed.Store:
-    """The store the process group of generation ``number`` rendezvouses on."""
+    """The store the process group of generation ``number`` rendezvouses on.
+
+    A connection of its own whose waits end after :data:`MEET_TIMEOUT`: the
+    members met on the store first (:func:`meet`), so a rendezvous that takes
+    longer waits for a member lost since, and fails instead of waiting for
+    the collective timeout.  Once the group exists, :func:`group_formed`
+    lets the groups built later on it (side groups, meshes) wait as long as
+    a collective may.
+    """
     import torch.distributed as dist
 
     record = membership()
     assert record.store is not None, "join() first"
-    return dist.PrefixStore(f"gen/{number}/group/", record.store)
+    record.group_client = _client(MEET_TIMEOUT)
+    return dist.PrefixStore(f"gen/{number}/group/", job_store(record.group_client, env.job_id()))
+
+
+def group_formed(timeout: float) -> None:
+    """The generation's group was built on :func:`generation_store`: its later waits may last ``timeout`` s."""
+    client = membership().group_client
+    if client is not None:
+        client.set_timeout(datetime.timedelta(seconds=timeout))
 
 
 def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
@@ -219,6 +273,7 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
     if record.store is None:
         record.store = _connect(timeout)
         record.wid = int(record.store.add("workers", 1))
+        _start_beating(record.wid)
         # so that this worker's launcher can say which worker died (worker_of_key)
         record.store.set(worker_of_key(_int_env(NODE_VAR, 0), env.local_rank()), str(record.wid))
     store, wid = record.store, record.wid
@@ -357,7 +412,15 @@ def await_arrivals(following: Generation, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     poll = _Poll()
     while not record.store.check(keys):
+        dead = [wid for wid in following.joiners if record.store.check([dead_key(wid)])]
+        if dead:  # its launcher reaped it: waiting on would cost the members the whole admission timeout
+            logger.warning("joiner %s of generation %d died before it arrived; continuing without the joiners",
+                           ", ".join(map(str, dead)), following.number)
+            return False
         if time.monotonic() > deadline:
+            logger.warning("joiner(s) %s of generation %d did not arrive within %.0f s", ", ".join(
+                str(wid) for wid, key in zip(following.joiners, keys) if not record.store.check([key])),
+                following.number, timeout)
             return False
         poll.sleep()
     record.store.set(f"gen/{following.number}/go", "1")
@@ -378,8 +441,8 @@ def abandon_admission(following: Generation) -> Generation:
     _publish(store, instead)
     store.set(f"gen/{following.number}/next", instead.to_json())
     store.set(f"gen/{following.number}/state", _FAILED)
-    logger.warning("a joiner admitted into generation %d did not arrive within the admission timeout; "
-                   "generation %d continues without the joiners", following.number, instead.number)
+    logger.warning("generation %d continues without the joiners admitted into generation %d", instead.number,
+                   following.number)
     return instead
 
 
@@ -410,7 +473,8 @@ def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Gener
     deadline = time.monotonic() + timeout
     poll = _Poll()
     while True:
-        alive = [m for m in current.members if store.check([f"gen/{current.number}/alive/{m['wid']}"])]
+        alive = [m for m in current.members if store.check([f"gen/{current.number}/alive/{m['wid']}"])
+                 and not store.check([dead_key(m["wid"])])]  # one taken out as hung that woke is still out
         undecided = [m for m in current.members if m not in alive and not _is_dead(m, agent_stale)]
         if not undecided or time.monotonic() > deadline:
             break
@@ -431,6 +495,35 @@ def reform_after_loss(timeout: float, agent_stale: float = AGENT_STALE) -> Gener
     return agreed
 
 
+def meet(following: Generation, timeout: float = MEET_TIMEOUT) -> list[int]:
+    """Before building ``following``'s group: say this member is here and wait for the others.
+
+    Returns the worker ids of the members that will not come: dead (their
+    launcher said so, or their node is lost), hung (no sign of life for the
+    hang timeout), or not there within ``timeout`` seconds; empty once every
+    member is here.  Every member that gets a non-empty answer gives the
+    group up (the members that are left re-form without the missing ones).
+    """
+    record = membership()
+    assert record.store is not None and record.wid is not None
+    store = record.store
+    store.set(f"gen/{following.number}/here/{record.wid}", "1")
+    deadline = time.monotonic() + timeout
+    poll = _Poll()
+    while True:
+        missing = [m for m in following.members if not store.check([f"gen/{following.number}/here/{m['wid']}"])]
+        if not missing:
+            return []
+        gone = [m["wid"] for m in missing if _is_dead(m, AGENT_STALE)]
+        if gone or time.monotonic() > deadline:
+            waited = gone or [m["wid"] for m in missing]
+            logger.warning("worker(s) %s did not come to build generation %d's group (%s); the members that are "
+                           "left re-form without them", ", ".join(map(str, waited)), following.number,
+                           "dead or hung" if gone else f"not there within {timeout:.0f} s")
+            return waited
+        poll.sleep()
+
+
 def report_loss() -> None:
     """Say on the store that this generation lost a member (a member that noticed, before re-forming)."""
     record = membership()
@@ -446,13 +539,47 @@ def loss_reported(number: int | None = None) -> bool:
         number = record.generation.number if record.generation is not None else None
     if record.store is None or number is None:
         return False
-    return record.store.check([f"gen/{number}/lost"])
+    if record.store.check([f"gen/{number}/lost"]):
+        return True
+    now = time.monotonic()
+    if record.generation is None or record.generation.number != number or now - record.hang_checked_at < \
+            HANG_CHECK_INTERVAL:
+        return False
+    record.hang_checked_at = now
+    hung = [(member, silent) for member, silent in _silent_members(record.generation) if member["wid"] != record.wid]
+    for member, silent in hung:
+        record.store.set(dead_key(member["wid"]), HUNG)
+        logger.warning("worker %d (rank %s of generation %d, node %d) gave no sign of life for %.1f s: stopped or "
+                       "hung; taking it out of the job (ADAPTIVE_LIVE_HANG_TIMEOUT=%g)", member["wid"],
+                       record.generation.rank_of(member["wid"]), number, member["node"], silent,
+                       env.live_hang_timeout())
+    if hung:
+        report_loss()
+    return bool(hung)
+
+
+def _silent_members(generation: Generation) -> list[tuple[dict[str, int], float]]:
+    """The members of ``generation`` whose sign of life has not changed for the hang timeout, with the seconds."""
+    record = membership()
+    assert record.store is not None
+    timeout = env.live_hang_timeout()
+    silent = []
+    for member in generation.members:
+        key = beat_key(member["wid"])
+        seconds = record.watch.silent_for(key, int(record.store.add(key, 0)))
+        if seconds >= timeout:
+            silent.append((member, seconds))
+    return silent
 
 
 def _is_dead(member: dict[str, int], agent_stale: float) -> bool:
     record = membership()
     assert record.store is not None
     if record.store.check([dead_key(member["wid"])]):
+        return True
+    key = beat_key(member["wid"])
+    if member["wid"] != record.wid and \
+            record.watch.silent_for(key, int(record.store.add(key, 0))) >= env.live_hang_timeout():
         return True
     agents = record.agents
     key = agent_key(member["node"])
@@ -491,6 +618,10 @@ def _still_waiting(store: torch.distributed.Store, number: int, position: int) -
     said = _get(store, f"gen/{number}/join/{position}/waiting")
     if said is None or time.time() - float(said) > JOINER_STALE:
         logger.warning("not admitting join request %d: its process stopped waiting (it died?)", position)
+        return False
+    asked = _get(store, f"gen/{number}/join/{position}")
+    if asked is not None and store.check([dead_key(int(json.loads(asked)["wid"]))]):
+        logger.warning("not admitting join request %d: its launcher reported its process dead", position)
         return False
     return True
 
