@@ -284,16 +284,18 @@ def test_one_of_three_members_lost_while_they_train_flat_out(jobs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ci_sample
-def test_a_member_lost_while_the_others_re_form(jobs, tmp_path):
+@pytest.mark.parametrize("moment", ["1", "before-group"])
+def test_a_member_lost_while_the_others_re_form(jobs, tmp_path, moment):
     """Of three members one is SIGKILLed; a second one says it lives, builds the new group with the third and
-    dies before it meets it there (two kills a few milliseconds apart).  The member left re-forms again, alone,
+    dies before it meets it there (two kills a few milliseconds apart), or dies once the two agreed on the new
+    generation, before they build its group (the third then does not wait in the group's rendezvous).  The member left re-forms again, alone,
     in its process (no restart from the checkpoint), and both killed workers' replacements join it.  The script
     has DataLoader workers, a barrier while rank 0 prepares the data and a validation loop per epoch; the killed
     workers' DataLoader workers are gone with them."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = dict(SETTINGS, WORKER_LOADER_WORKERS="1", WORKER_EVAL="1")
     launchers = {name: launch(jobs, out, port, name, restarts=2, ADAPTIVE_LIVE_MIN="3", **settings, **extra)
-                 for name, extra in (("first", {}), ("second", {"WORKER_DIE_WHILE_REFORMING": "1"}), ("third", {}))}
+                 for name, extra in (("first", {}), ("second", {"WORKER_DIE_WHILE_REFORMING": moment}), ("third", {}))}
     records = wait_steps(out, lambda rs: sum(r["world"] == 3 for r in rs) >= 30, "three members to train")
     pids = {r["pid"] for r in records if r["world"] == 3}
     first, second, third = (_worker_of(launchers[name]) for name in ("first", "second", "third"))

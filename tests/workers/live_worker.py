@@ -23,7 +23,9 @@ Environment knobs (all optional but WORKER_OUT):
                         pytorch/examples' mnist builds its DataLoaders before its model); default: the wrapper first
     WORKER_DIE_WHILE_REFORMING "1": the first process of its launcher SIGKILLs itself once it re-formed after
                         a lost member (it said it lives and built the new group with the others) and before it
-                        meets them on that group; it appends its PID and the time to ``died.jsonl`` first
+                        meets them on that group; "before-group": once the members that are left agreed on the
+                        new generation with it, before they build its group; it appends its PID and the time
+                        to ``died.jsonl`` first
 
 Each process appends to ``steps.<pid>.jsonl`` one line per optimizer step it
 trained: its rank, the world size and the live generation then, the epoch,
@@ -65,7 +67,7 @@ EVAL = os.environ.get("WORKER_EVAL") == "1"
 TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
 SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
 DIE_BEFORE_EPOCH = os.environ.get("WORKER_DIE_BEFORE_EPOCH")
-DIE_WHILE_REFORMING = os.environ.get("WORKER_DIE_WHILE_REFORMING") == "1"
+DIE_WHILE_REFORMING = os.environ.get("WORKER_DIE_WHILE_REFORMING", "")
 LOADERS_FIRST = os.environ.get("WORKER_ORDER", "model-first") == "loaders-first"
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
@@ -119,17 +121,33 @@ def die_before_loop(epoch):
 
 
 def die_while_reforming():
-    """WORKER_DIE_WHILE_REFORMING: this process dies (SIGKILL) right after its first re-forming's new group."""
-    from adaptive.runtime import collectives
+    """WORKER_DIE_WHILE_REFORMING: this process dies (SIGKILL) right after its first re-forming's new group
+    ("1"), or right after the members that are left agreed on it, before its group is built ("before-group")."""
+    from adaptive.runtime import collectives, membership as members
 
+    def die(following):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            append_jsonl(os.path.join(OUT, "died.jsonl"), {"pid": os.getpid(), "time": time.time(),
+                                                           "generation": following.number})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if DIE_WHILE_REFORMING == "before-group":
+        reform_after_loss = members.reform_after_loss
+
+        def agreeing(*args, **kwargs):
+            following = reform_after_loss(*args, **kwargs)
+            if following is not None:
+                die(following)
+            return following
+
+        members.reform_after_loss = agreeing
+        return
     regroup = collectives.regroup
 
     def dying(following, *, broken=False):
         regroup(following, broken=broken)
-        if broken and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            append_jsonl(os.path.join(OUT, "died.jsonl"), {"pid": os.getpid(), "time": time.time(),
-                                                           "generation": following.number})
-            os.kill(os.getpid(), signal.SIGKILL)
+        if broken:
+            die(following)
 
     collectives.regroup = dying
 
