@@ -212,7 +212,8 @@ def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatc
 def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     """The joiner's worker is SIGKILLed as soon as it asked to join (while it is admitted and receives
     the state): whatever that interrupts, its agent starts it again and every step is still trained by
-    all its members from one state, each sample once per epoch."""
+    all its members from one state, each sample once per epoch.  The running member does not wait for the
+    dead joiner (its launcher reported the death): it pauses less than 2 s."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
                 "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
@@ -223,12 +224,43 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
              "the joiner to ask to join")
     (victim,) = worker_pids(second.pid)
     os.kill(victim, signal.SIGKILL)
+    killed = time.time()
     assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
     assert live_pids([victim]) == []
+    survivor = [r["time"] for r in steps(out) if r["pid"] == steps(out)[0]["pid"]]
+    pauses = [b - a for a, b in zip(survivor, survivor[1:]) if b > killed and a < killed + 10]
+    assert max(pauses) < 2.0, f"the running member paused {max(pauses):.1f} s for a dead joiner"
 
     # A rollback (if the kill broke a step) trains the steps since the last checkpoint again.
     check_after_rollbacks(out, epochs=3)
+
+
+def test_a_launcher_stopped_while_its_worker_waits_to_be_admitted_ends_at_once(jobs, tmp_path):
+    """SIGTERM to a joining node whose worker waits to be admitted (the running member is held with SIGSTOP,
+    so no one answers): the worker has nothing to save and leaves at once (143), and so does its launcher;
+    the running member, woken, trains on alone and finishes exact."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "2", "WORKER_STEP_SLEEP": "0.05"}
+    first = launch(jobs, out, port, "first", **settings)
+    records = wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
+    member = records[0]["pid"]
+    os.kill(member, signal.SIGSTOP)
+    try:
+        second = launch(jobs, out, port, "second", **settings)
+        wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
+                 "the joiner to ask to join")
+        (joiner,) = worker_pids(second.pid)
+        stopped = time.monotonic()
+        second.send_signal(signal.SIGTERM)
+        assert wait_exit(second, 10, out / "second.log") == 143, logs(out)
+        assert time.monotonic() - stopped < 5, "the joining node took more than 5 s to stop"
+        assert live_pids([joiner]) == [] and exits(out)[joiner] == 143
+    finally:
+        os.kill(member, signal.SIGCONT)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    by_step = check_steps(out, epochs=2)
+    assert {r["pid"] for records in by_step.values() for r in records} == {member}
 
 
 def test_only_an_agent_on_the_endpoints_machine_hosts_the_store():

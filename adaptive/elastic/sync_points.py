@@ -136,6 +136,11 @@ def _on_signal(signum: int, frame: Any) -> None:
     if (agreement.stop_requested or live.leave_requested()) and signum == signal.SIGINT:
         raise KeyboardInterrupt
     if membership.is_live():  # one member stopped: it leaves, the others go on
+        if not membership.is_member():  # still joining (or waiting to be admitted): it holds nothing to save
+            logger.warning("received %s while joining the live job; leaving it (nothing to save)",
+                           signal.Signals(signum).name)
+            current_job().exiting = True
+            raise SystemExit(GRACEFUL_EXIT_CODE)
         if live.leave_requested():
             return
         live.request_leave()

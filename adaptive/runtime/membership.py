@@ -64,7 +64,7 @@ from adaptive.runtime.job import current_job
 if TYPE_CHECKING:
     import torch.distributed
 
-__all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live",
+__all__ = ["STORE_VAR", "MIN_VAR", "MAX_VAR", "NODE_VAR", "LAST_CALL", "Membership", "Generation", "is_live", "is_member",
            "membership", "generation_number", "join", "pending_joins", "close_generation", "enter", "mark_failed",
            "mark_ended", "on_regroup", "notify_regroup", "generation_store", "members_env", "await_arrivals", "abandon_admission",
            "reform_after_loss", "report_loss", "loss_reported", "meet", "group_formed", "beat_key", "MEET_TIMEOUT", "HUNG", "worker_of_key", "dead_key", "job_store", "agent_key", "AGENTS_KEY"]
@@ -150,6 +150,13 @@ def is_live() -> bool:
 def membership() -> Membership:
     """This job's membership record."""
     return current_job().part(Membership)
+
+
+def is_member() -> bool:
+    """Whether this process is a member of a generation of the live job (not still joining, or waiting to be
+    admitted)."""
+    record = membership()
+    return record.generation is not None and not record.awaiting_admission
 
 
 def generation_number() -> int | None:
@@ -532,8 +539,14 @@ def report_loss() -> None:
 
 
 def loss_reported(number: int | None = None) -> bool:
-    """Whether a member said generation ``number`` (default: this one) lost a member: one still waiting in a
-    collective with a member that stopped sending after the loss gives up on it (one store read)."""
+    """Whether generation ``number`` (default: this one) lost a member: one still waiting in a collective with
+    a member that stopped sending after the loss gives up on it.
+
+    A member said so (one store read); or, looked at every :data:`HANG_CHECK_INTERVAL`
+    seconds, a member's launcher reported it dead, or it gave no sign of life for the hang
+    timeout (it is then taken out of the job: its launcher kills it).  Either way the loss is
+    said on the store for the others.
+    """
     record = membership()
     if number is None:
         number = record.generation.number if record.generation is not None else None
@@ -546,16 +559,22 @@ def loss_reported(number: int | None = None) -> bool:
             HANG_CHECK_INTERVAL:
         return False
     record.hang_checked_at = now
-    hung = [(member, silent) for member, silent in _silent_members(record.generation) if member["wid"] != record.wid]
+    others = [member for member in record.generation.members if member["wid"] != record.wid]
+    dead = [member["wid"] for member in others if record.store.check([dead_key(member["wid"])])]
+    hung = [(member, silent) for member, silent in _silent_members(record.generation)
+            if member["wid"] != record.wid and member["wid"] not in dead]
     for member, silent in hung:
         record.store.set(dead_key(member["wid"]), HUNG)
         logger.warning("worker %d (rank %s of generation %d, node %d) gave no sign of life for %.1f s: stopped or "
                        "hung; taking it out of the job (ADAPTIVE_LIVE_HANG_TIMEOUT=%g)", member["wid"],
                        record.generation.rank_of(member["wid"]), number, member["node"], silent,
                        env.live_hang_timeout())
-    if hung:
+    if dead:
+        logger.warning("worker(s) %s of generation %d died (reported by their launcher); giving up the "
+                       "collectives in flight", ", ".join(map(str, dead)), number)
+    if hung or dead:
         report_loss()
-    return bool(hung)
+    return bool(hung or dead)
 
 
 def _silent_members(generation: Generation) -> list[tuple[dict[str, int], float]]:
