@@ -269,3 +269,37 @@ print("fresh", tensor.detach().device_mesh is later)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["stale", "True", "fresh", "True"], done.stdout
+
+
+FSDP2_EXAMPLE = REPO / "tests" / "workers" / "fsdp2_example.py"
+
+
+def test_pytorch_fsdp2_example_joins_leaves_and_restarts_everyone_after_a_kill(jobs, tmp_path):
+    """PyTorch's FSDP2 example (a Transformer built on the meta device, 1-D mesh), ported: a second node joins
+    and leaves live, a third joins, and its worker is SIGKILLed.  Its shards had no other copy, so every member
+    takes the restart path within seconds (no one waits for the dead one), the job resumes from the checkpoint
+    and finishes with every sample once per epoch; the killed worker is gone."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = _settings(ADAPTIVE_CHECKPOINT_INTERVAL="0.5", WORKER_EPOCHS="6", WORKER_STEP_SLEEP="0.05")
+    first = launch(jobs, out, port, "first", restarts=2, script=FSDP2_EXAMPLE, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
+    second = launch(jobs, out, port, "second", restarts=2, script=FSDP2_EXAMPLE, **settings)
+    wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the second node to train with the first")
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    third = launch(jobs, out, port, "third", restarts=2, script=FSDP2_EXAMPLE, **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 24, "the third node to train with it")
+    victim = next(r["pid"] for r in reversed(records) if r["world"] == 2 and r["rank"] == 1)
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    wait_steps(out, lambda rs: any(r["time"] > killed and not r["discarded"] and r["pid"] != victim for r in rs),
+               "the job to train again after the kill", timeout=30)
+    assert wait_exit(first, 150, out / "first.log") == 0, logs(out)
+    assert wait_exit(third, 60, out / "third.log") == 0, logs(out)
+    assert live_pids([victim]) == []
+    said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
+    assert "Traceback" not in said.replace("the failed collective", ""), logs(out)
+    epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    newest = {e["epoch"]: e for e in epochs}  # an epoch ended twice (rolled back) counts as last ended
+    assert sorted(newest) == list(range(6)) and {(e["missing"], e["extra"]) for e in newest.values()} == {(0, 0)}, \
+        epochs

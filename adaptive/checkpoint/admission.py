@@ -18,7 +18,10 @@ first).  There it
    on the generation it joins (:func:`adaptive.runtime.collectives.complete_admission`;
    the model wrappers rebind to the new group);
 2. receives the training state the new rank 0 sends
-   (:func:`adaptive.checkpoint.peer_state.receive_states`);
+   (:func:`adaptive.checkpoint.peer_state.receive_states`); when the
+   generation it asked ended meanwhile (every member was lost) it forms the
+   next one with the other candidates instead, and restores from the
+   checkpoint on disk, as they do;
 3. restores every state it built so far from it, in the order it built them
    (:meth:`adaptive.checkpoint.states.State.restore_on_admission`; a sharded
    model shards itself anew for the generation and takes its shards from
@@ -68,13 +71,17 @@ def admit() -> None:
         return
     started = time.perf_counter()
     collectives.complete_admission()
-    received = peer_state.receive_states()
-    # As many steps since the last save as the members count, so that all decide alike whether a save agreed
-    # at the boundary repeats the last one (sync_points._act).
-    since = int((received.info.metadata or {}).get("steps_since_save", 0))
-    states.resume_from(received, steps_at_save=stream().steps_committed - since)
+    if membership.membership().took_state_from_peers:
+        received = peer_state.receive_states()
+        # As many steps since the last save as the members count, so that all decide alike whether a save
+        # agreed at the boundary repeats the last one (sync_points._act).
+        since = int((received.info.metadata or {}).get("steps_since_save", 0))
+        states.resume_from(received, steps_at_save=stream().steps_committed - since)
+        source = "the running members' state"
+    else:  # the generation it asked ended meanwhile (every member lost): it formed the next one from disk
+        source = "the checkpoint on disk (the generation it asked to join ended; it formed the next one)"
     built = states.registered_states()
     for state in built:
         state.restore_on_admission()
-    logger.info("admitted into generation %s of the live job; restored %d states built before admission in "
-                "%.3f s", membership.generation_number(), len(built), time.perf_counter() - started)
+    logger.info("admitted into generation %s of the live job; restored %d states built before admission from "
+                "%s in %.3f s", membership.generation_number(), len(built), source, time.perf_counter() - started)
