@@ -182,13 +182,13 @@ def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatc
 
     import torch.distributed as dist
 
-    from adaptive.runtime import membership
+    from adaptive.runtime import admitting, env, membership
     from adaptive.runtime.job import reset_job
 
     port = portpicker.pick_unused_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
                            wait_for_workers=False)
-    monkeypatch.setenv(membership.STORE_VAR, f"127.0.0.1:{port}")
+    monkeypatch.setenv(env.LIVE_STORE_VAR, f"127.0.0.1:{port}")
     monkeypatch.setenv("ADAPTIVE_JOB_ID", "membership-unit")
     reset_job()
     try:
@@ -199,9 +199,9 @@ def test_a_join_request_whose_process_stopped_waiting_is_not_admitted(monkeypatc
             store.add("gen/1/joins", 1)
             store.set(f"gen/1/join/{position}/waiting", repr(said))
             store.set(f"gen/1/join/{position}", json.dumps({"wid": wid, "node": 9, "local": 0}))
-        assert membership.pending_joins() == 2
-        following = membership.close_generation([first.members[0]["wid"]], joins=2)
-        assert [m["wid"] for m in following.members] == [first.members[0]["wid"], 101]
+        assert admitting.pending_joins() == 2
+        following = admitting.close_generation([first.members[0].wid], joins=2)
+        assert [m.wid for m in following.members] == [first.members[0].wid, 101]
         assert following.joiners == (101,) and following.number == 2
         assert store.get("gen").decode() == "2" and store.get("gen/1/state").decode() == "closed"
     finally:

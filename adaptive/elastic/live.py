@@ -55,19 +55,18 @@ import copy
 import dataclasses
 import enum
 import logging
-import os
 import time
 from typing import Any
 
 from adaptive.checkpoint import states
 from adaptive.elastic import random_state
 from adaptive.checkpoint.peer_shards import ShardsLost
-from adaptive.runtime import collectives, env, fault_tolerant_group, membership, peer_failure
+from adaptive.runtime import admitting, collectives, env, fault_tolerant_group, membership, peer_failure, reforming
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
 __all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "change", "snapshot_due", "take_snapshot",
-           "recover", "snapshot_interval", "SNAPSHOT_INTERVAL_VAR"]
+           "recover"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ def joins_seen() -> int:
     if not membership.is_live() or env.rank() != 0:
         return 0
     try:
-        return membership.pending_joins()
+        return admitting.pending_joins()
     except (RuntimeError, OSError) as error:
         logger.warning("cannot read the live job's store (%s); no process can join until it answers", error)
         return 0
@@ -132,16 +131,16 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
         state.sync()
     following = None
     if env.rank() == 0:
-        following = membership.close_generation(survivors, joins)
-        if following.joiners and not membership.await_arrivals(following, membership.ADMISSION_TIMEOUT):
-            following = membership.abandon_admission(following)
+        following = admitting.close_generation(survivors, joins)
+        if following.joiners and not admitting.await_arrivals(following):
+            following = admitting.abandon_admission(following)
     following = collectives.broadcast_object(following)
     assert following is not None
     before = env.num_replicas()
     old_order = [wid for wid, _ in leaving]
-    same = [m["wid"] for m in following.members] == old_order
+    same = [m.wid for m in following.members] == old_order
     # Sharded states (FSDP2) are gathered whole on the next rank 0 while the old group, leavers included, holds them.
-    gathered = {} if same else states.gather_sharded_states(old_order.index(following.members[0]["wid"]))
+    gathered = {} if same else states.gather_sharded_states(old_order.index(following.members[0].wid))
     if leave_requested():
         logger.info("left the live job at %s; generation %d continues with %d members", _where(metadata),
                     following.number, len(following.members))
@@ -169,8 +168,6 @@ def _where(metadata: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- a lost member: back to the last snapshot
-#: Environment variable: seconds between the in-memory snapshots a live job goes back to when it loses a member.
-SNAPSHOT_INTERVAL_VAR = "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL"
 #: Seconds the members that are left wait for the others to say whether they live.
 REFORM_TIMEOUT = 30.0
 #: How many times the members that are left re-form when more members are lost while they re-form.
@@ -188,24 +185,12 @@ class _Snapshot:
     taken_at: float | None = None  # monotonic
 
 
-def snapshot_interval() -> float:
-    """Seconds between snapshots (``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL``, default 2; 0 turns them off)."""
-    raw = os.environ.get(SNAPSHOT_INTERVAL_VAR) or "2"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {SNAPSHOT_INTERVAL_VAR}={raw!r} must be a number of seconds") from None
-    if not value >= 0:
-        raise ValueError(f"environment variable {SNAPSHOT_INTERVAL_VAR}={raw!r} must be >= 0")
-    return value
-
-
 def snapshot_due() -> bool:
     """On rank 0 of a live job: whether the next snapshot is due (the per-step agreement carries it)."""
-    if not membership.is_live() or env.rank() != 0 or snapshot_interval() <= 0:
+    if not membership.is_live() or env.rank() != 0 or env.live_snapshot_interval() <= 0:
         return False
     taken_at = current_job().part(_Snapshot).taken_at
-    return taken_at is None or time.monotonic() - taken_at >= snapshot_interval()
+    return taken_at is None or time.monotonic() - taken_at >= env.live_snapshot_interval()
 
 
 def take_snapshot(where: tuple[Any, ...]) -> None:
@@ -217,7 +202,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     sharded state keeps this rank's shards
     (:func:`adaptive.checkpoint.states.snapshot_sharded_states`).
     """
-    if not membership.is_live() or snapshot_interval() <= 0:
+    if not membership.is_live() or env.live_snapshot_interval() <= 0:
         return
     registered = states.registered_states()
     try:
@@ -293,7 +278,7 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
 def _give_up_on_the_group() -> None:
     """This generation lost a member: say so on the store, so that a member still waiting in a collective with
     one that stopped sending gives up and comes to re-form too, and close the mesh groups that record losses."""
-    membership.report_loss()
+    reforming.report_loss()
     fault_tolerant_group.close_all()
 
 
@@ -307,7 +292,7 @@ def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
     to :data:`REFORM_ATTEMPTS` times.
     """
     for attempt in range(1, REFORM_ATTEMPTS + 1):
-        following = membership.reform_after_loss(REFORM_TIMEOUT)
+        following = reforming.reform_after_loss(REFORM_TIMEOUT)
         if following is None:
             logger.error("the members that are left took this one for dead; restarting it")
             return None

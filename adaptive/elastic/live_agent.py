@@ -51,7 +51,7 @@ from typing import Any
 import portpicker
 
 from adaptive.elastic.warm_start import WarmStarter, WarmWorker, worker_command
-from adaptive.runtime import env, launch_status, membership, process_tree
+from adaptive.runtime import env, launch_status, live_protocol, membership, process_tree
 
 __all__ = ["run", "DONE_EXIT_CODES"]
 
@@ -65,8 +65,6 @@ POLL = 0.05
 STOP_GRACE = 60.0
 #: Seconds between an agent's signs of life in the job's store.
 BEAT_INTERVAL = 0.5
-#: An agent whose last sign of life is older than this is taken for lost (with its node).
-AGENT_STALE = 5.0
 
 
 def _endpoint(args: Namespace) -> tuple[str, int]:
@@ -143,7 +141,7 @@ class LiveAgent:
         self.restarts_left = int(args.max_restarts)
         self.host, self.port = _endpoint(args)
         self.store, self.hosting = _host_or_connect(self.host, self.port)
-        self.node = int(self.store.add(membership.AGENTS_KEY, 1))
+        self.node = int(self.store.add(live_protocol.AGENTS_KEY, 1))
         self._beat()
         self.status_dir = status_dir
         self.job_id = _job_id(args)
@@ -155,8 +153,8 @@ class LiveAgent:
     def _environment(self, local_rank: int) -> dict[str, str]:
         environment = process_tree.child_environment()
         environment.update({
-            membership.STORE_VAR: f"{self.host}:{self.port}", membership.NODE_VAR: str(self.node),
-            membership.MIN_VAR: str(self.smallest), membership.MAX_VAR: str(self.largest),
+            env.LIVE_STORE_VAR: f"{self.host}:{self.port}", env.LIVE_NODE_VAR: str(self.node),
+            env.LIVE_MIN_VAR: str(self.smallest), env.LIVE_MAX_VAR: str(self.largest),
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node), "MASTER_ADDR": self.host,
             "TORCHELASTIC_RESTART_COUNT": str(self.starts.get(local_rank, 0)),
             launch_status.STATUS_DIR_VAR: self.status_dir, "ADAPTIVE_JOB_ID": self.job_id,
@@ -194,7 +192,7 @@ class LiveAgent:
 
     def _beat(self, done: bool = False) -> None:
         """Tell the other agents (the hosting one) that this one lives, or that it is done."""
-        self.store.set(membership.agent_key(self.node), "done" if done else repr(time.time()))
+        self.store.set(live_protocol.agent_key(self.node), "done" if done else repr(time.time()))
         self.beaten = time.monotonic()
 
     def run(self) -> int:
@@ -251,10 +249,10 @@ class LiveAgent:
             if worker is None or worker.pid is None or worker.poll() is not None:
                 continue
             try:
-                key = membership.worker_of_key(self.node, local_rank)
+                key = live_protocol.worker_of_key(self.node, local_rank)
                 wid = int(store.get(key)) if store.check([key]) else None
-                hung = wid is not None and store.check([membership.dead_key(wid)]) and \
-                    store.get(membership.dead_key(wid)) == membership.HUNG
+                hung = wid is not None and store.check([live_protocol.dead_key(wid)]) and \
+                    store.get(live_protocol.dead_key(wid)).decode() == live_protocol.HUNG
             except (RuntimeError, OSError, ValueError) as error:
                 logger.debug("could not read whether worker %d was taken out as hung: %s", local_rank, error)
                 continue
@@ -266,10 +264,10 @@ class LiveAgent:
     def _say_dead(self, local_rank: int) -> None:
         """Tell the job's other members that this local rank's worker died (they stop waiting for it)."""
         store = membership.job_store(self.store, self.job_id)
-        key = membership.worker_of_key(self.node, local_rank)
+        key = live_protocol.worker_of_key(self.node, local_rank)
         try:
             if store.check([key]):
-                store.set(membership.dead_key(int(store.get(key))), "1")
+                store.set(live_protocol.dead_key(int(store.get(key))), "1")
         except (RuntimeError, OSError, ValueError) as error:
             logger.debug("could not report the death of worker %d: %s", local_rank, error)
 
@@ -302,13 +300,13 @@ class LiveAgent:
 
     def _others_alive(self) -> bool:
         """Whether another agent of the job renewed its sign of life lately."""
-        count = int(self.store.add(membership.AGENTS_KEY, 0))
+        count = int(self.store.add(live_protocol.AGENTS_KEY, 0))
         for node in range(1, count + 1):
-            key = membership.agent_key(node)
+            key = live_protocol.agent_key(node)
             if node == self.node or not self.store.check([key]):
                 continue
             said = self.store.get(key).decode()
-            if said != "done" and time.time() - float(said) < AGENT_STALE:
+            if said != "done" and time.time() - float(said) < membership.AGENT_STALE:
                 return True
         return False
 

@@ -29,8 +29,9 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from adaptive.runtime import broken_groups, env, launch_status, membership, peer_failure
+from adaptive.runtime import broken_groups, env, launch_status, membership, peer_failure, reforming
 from adaptive.runtime.errors import CollectiveError
+from adaptive.runtime.live_protocol import Generation
 from adaptive.runtime.job import ProcessGroups, current_job
 
 __all__ = [
@@ -110,7 +111,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         _register_teardown()
 
 
-def _init_generation(backend: str, generation: membership.Generation, delta: datetime.timedelta) -> None:
+def _init_generation(backend: str, generation: Generation, delta: datetime.timedelta) -> None:
     """The default group of a live generation, on its own prefix of the launchers' store.
 
     The members meet on the store first (:func:`adaptive.runtime.membership.meet`): a member lost since the
@@ -120,7 +121,7 @@ def _init_generation(backend: str, generation: membership.Generation, delta: dat
     assert wid is not None
     os.environ.update(membership.members_env(generation, wid))  # env.rank() & co. follow the membership
     _groups().backend = backend
-    missing = membership.meet(generation) if len(generation.members) > 1 else []
+    missing = reforming.meet(generation) if len(generation.members) > 1 else []
     if missing:
         raise CollectiveError(f"generation {generation.number}'s group cannot form: worker(s) "
                               f"{', '.join(map(str, missing))} did not come")
@@ -159,7 +160,7 @@ def complete_admission() -> None:
     regroup(following)
 
 
-def regroup(following: membership.Generation, *, broken: bool = False) -> None:
+def regroup(following: Generation, *, broken: bool = False) -> None:
     """Leave this generation's groups and build ``following``'s, in place (live mode, on every member that stays).
 
     Every member of the old generation must have finished its collectives on
@@ -283,7 +284,7 @@ def wait(work: Any, what: str) -> None:
                 except (RuntimeError, dist.DistError) as error:
                     raise _wrap_failure(what, error) from error
                 return
-        if membership.loss_reported(generation):
+        if reforming.loss_reported(generation):
             raise _wrap_failure(what, CollectiveError("another member reported a lost peer"))
 
 

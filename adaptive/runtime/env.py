@@ -61,9 +61,17 @@ __all__ = [
     "torchelastic_restart_count",
     "progress_interval",
     "live_hang_timeout",
+    "live_store",
+    "live_node",
+    "live_size_bounds",
+    "live_snapshot_interval",
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_LIVE_HANG_TIMEOUT",
+    "LIVE_STORE_VAR",
+    "LIVE_NODE_VAR",
+    "LIVE_MIN_VAR",
+    "LIVE_MAX_VAR",
 ]
 
 #: Seconds between periodic checkpoints when ``ADAPTIVE_CHECKPOINT_INTERVAL`` is unset.
@@ -72,6 +80,9 @@ DEFAULT_CHECKPOINT_INTERVAL = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 #: Seconds without a sign of life after which a live member is taken for hung (``ADAPTIVE_LIVE_HANG_TIMEOUT``).
 DEFAULT_LIVE_HANG_TIMEOUT = 10.0
+#: Live mode: the variables ``adaptive-run --live`` sets for its workers (the store, the node, the size bounds).
+LIVE_STORE_VAR, LIVE_NODE_VAR = "ADAPTIVE_LIVE_STORE", "ADAPTIVE_LIVE_NODE"
+LIVE_MIN_VAR, LIVE_MAX_VAR = "ADAPTIVE_LIVE_MIN", "ADAPTIVE_LIVE_MAX"
 
 
 def _int_var(name: str, default: int, minimum: int = 0) -> int:
@@ -225,6 +236,36 @@ def live_hang_timeout() -> float:
     """Live mode: seconds a member may give no sign of life before the others take it out as hung
     (``ADAPTIVE_LIVE_HANG_TIMEOUT``, default 10; at least 1)."""
     return _float_var("ADAPTIVE_LIVE_HANG_TIMEOUT", DEFAULT_LIVE_HANG_TIMEOUT, minimum=1.0)
+
+
+def live_store() -> tuple[str, int] | None:
+    """Live mode: ``(host, port)`` of the launchers' TCPStore (``ADAPTIVE_LIVE_STORE``, set by
+    ``adaptive-run --live``); None outside live mode."""
+    raw = os.environ.get(LIVE_STORE_VAR) or ""
+    if not raw:
+        return None
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"environment variable {LIVE_STORE_VAR}={raw!r} must be host:port")
+    return host, int(port)
+
+
+def live_node() -> int:
+    """Live mode: the number of this worker's launcher (node) in the job (``ADAPTIVE_LIVE_NODE``, default 0)."""
+    return _int_var(LIVE_NODE_VAR, 0)
+
+
+def live_size_bounds() -> tuple[int, int]:
+    """Live mode: the fewest and the most members of a generation formed from disk
+    (``ADAPTIVE_LIVE_MIN``, default 1; ``ADAPTIVE_LIVE_MAX``, default the minimum)."""
+    smallest = _int_var(LIVE_MIN_VAR, 1, minimum=1)
+    return smallest, max(smallest, _int_var(LIVE_MAX_VAR, smallest, minimum=1))
+
+
+def live_snapshot_interval() -> float:
+    """Live mode: seconds between the in-memory snapshots a lost member sends the others back to
+    (``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL``, default 2; 0 turns them off)."""
+    return _float_var("ADAPTIVE_LIVE_SNAPSHOT_INTERVAL", 2.0)
 
 
 def progress_interval() -> float:

@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from adaptive.runtime import membership
+from adaptive.runtime import reforming
 
 __all__ = ["release_on_loss", "complete_once", "INTERVAL"]
 
@@ -75,7 +75,7 @@ def _watch() -> None:
             if not _pending:
                 continue
         try:
-            lost = membership.loss_reported()
+            lost = reforming.loss_reported()
         except (RuntimeError, OSError):  # the store is gone: the collectives end on their own timeout
             logger.debug("cannot read the live job's store", exc_info=True)
             continue
