@@ -346,6 +346,8 @@ def test_two_members_killed_50_ms_apart(jobs, tmp_path, step_sleep):
     check_after_rollbacks(out, epochs=EPOCHS)
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample
 def test_a_stopped_member_is_named_taken_out_and_started_again(jobs, tmp_path):
     """A worker stopped with SIGSTOP (a hung process: its sockets stay open, so no collective fails) is taken
     out by the others once it gave no sign of life for the hang timeout, named in their log; they train again

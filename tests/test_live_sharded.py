@@ -87,7 +87,8 @@ def _join_then_leave(jobs, out: Path, port: int, per_node: int, settings: dict[s
     return [tuple(records[0]["mesh"]) for records in _check_exact(out, epochs=int(settings["WORKER_EPOCHS"]))]
 
 
-@pytest.mark.parametrize("order", ["model-first", "loaders-first"])
+@pytest.mark.parametrize("order", ["model-first", pytest.param("loaders-first", marks=[pytest.mark.slow,
+                                                                                       pytest.mark.ci_sample])])
 def test_a_sharded_model_is_resharded_in_memory_for_a_joiner_and_after_a_leaver(jobs, tmp_path, order):
     """1-D FSDP: 1 -> 2 -> 1 replicas live; the first worker keeps its PID and each change keeps the state.
     With the loaders built first, the joiner shards its model on a group of its own and shards it anew for
@@ -274,6 +275,8 @@ print("fresh", tensor.detach().device_mesh is later)
 FSDP2_EXAMPLE = REPO / "tests" / "workers" / "fsdp2_example.py"
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample
 def test_pytorch_fsdp2_example_joins_leaves_and_restarts_everyone_after_a_kill(jobs, tmp_path):
     """PyTorch's FSDP2 example (a Transformer built on the meta device, 1-D mesh), ported: a second node joins
     and leaves live, a third joins, and its worker is SIGKILLed.  Its shards had no other copy, so every member

@@ -123,7 +123,7 @@ def die_before_loop(epoch):
 def die_while_reforming():
     """WORKER_DIE_WHILE_REFORMING: this process dies (SIGKILL) right after its first re-forming's new group
     ("1"), or right after the members that are left agreed on it, before its group is built ("before-group")."""
-    from adaptive.runtime import collectives, membership as members
+    from adaptive.runtime import collectives, reforming
 
     def die(following):
         if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
@@ -132,7 +132,7 @@ def die_while_reforming():
             os.kill(os.getpid(), signal.SIGKILL)
 
     if DIE_WHILE_REFORMING == "before-group":
-        reform_after_loss = members.reform_after_loss
+        reform_after_loss = reforming.reform_after_loss
 
         def agreeing(*args, **kwargs):
             following = reform_after_loss(*args, **kwargs)
@@ -140,7 +140,7 @@ def die_while_reforming():
                 die(following)
             return following
 
-        members.reform_after_loss = agreeing
+        reforming.reform_after_loss = agreeing
         return
     regroup = collectives.regroup
 
