@@ -108,11 +108,11 @@ class _FinishingAsTheSliceEnds(_Work):
 def test_a_collective_that_finishes_as_its_slice_runs_out_is_not_taken_for_a_failure(job, monkeypatch):
     """The slice's timeout and the collective's success can cross: the handle then reads completed although
     the wait raised "Operation timed out!". Seen once in CI: a live HSDP member took that for a lost peer."""
-    from adaptive.runtime import membership
+    from adaptive.runtime import membership, reforming
 
     monkeypatch.setattr(membership, "is_live", lambda: True)
     monkeypatch.setattr(membership, "generation_number", lambda: 5)
-    monkeypatch.setattr(membership, "loss_reported", lambda number=None: False)
+    monkeypatch.setattr(reforming, "loss_reported", lambda number=None: False)
     crossing = _FinishingAsTheSliceEnds(slices=1)
     collectives.wait(crossing, "test")
     assert crossing.waits == 2
@@ -122,12 +122,12 @@ def test_a_live_wait_goes_on_through_slices_and_ends_when_a_member_reported_a_lo
     """In live mode a collective is waited for in slices: it may take several; a failure is an error; and one
     that another member will never complete (it reported a lost peer and re-forms) ends the wait. The loss
     looked for is that of the generation the wait began in (a wait in a background thread may outlive it)."""
-    from adaptive.runtime import membership
+    from adaptive.runtime import membership, reforming
 
     monkeypatch.setattr(membership, "is_live", lambda: True)
     monkeypatch.setattr(membership, "generation_number", lambda: 5)
     reported, asked = [], []
-    monkeypatch.setattr(membership, "loss_reported", lambda number=None: asked.append(number) or bool(reported))
+    monkeypatch.setattr(reforming, "loss_reported", lambda number=None: asked.append(number) or bool(reported))
     slow = _Work(slices=3)
     collectives.wait(slow, "test")
     assert slow.waits == 4
@@ -146,10 +146,10 @@ def test_a_future_torch_waits_for_is_given_up_once_a_member_reports_a_loss(job, 
     member reports a lost peer, and a future completed the ordinary way first keeps its value."""
     import torch
 
-    from adaptive.runtime import loss_watch, membership
+    from adaptive.runtime import loss_watch, reforming
 
     reported = []
-    monkeypatch.setattr(membership, "loss_reported", lambda: bool(reported))
+    monkeypatch.setattr(reforming, "loss_reported", lambda: bool(reported))
     finished: torch.futures.Future[str] = torch.futures.Future()
     loss_watch.release_on_loss(finished, lambda: "given up")
     assert loss_watch.complete_once(finished, "reduced") and finished.wait() == "reduced"

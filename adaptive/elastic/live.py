@@ -33,7 +33,7 @@ When a member is lost, the step in flight fails on the others; they record
 it on the step instead of raising (:func:`adaptive.runtime.step.record_fault`),
 skip its optimizer step, and at the next boundary call :func:`recover`:
 they re-form on the store without the lost member
-(:func:`adaptive.runtime.membership.reform_after_loss`; again, when another
+(:func:`adaptive.runtime.reforming.reform_after_loss`; again, when another
 member is lost while they re-form) and go back to the
 last in-memory snapshot of every state (:func:`take_snapshot`, taken at
 agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at

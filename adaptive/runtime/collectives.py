@@ -114,7 +114,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
 def _init_generation(backend: str, generation: Generation, delta: datetime.timedelta) -> None:
     """The default group of a live generation, on its own prefix of the launchers' store.
 
-    The members meet on the store first (:func:`adaptive.runtime.membership.meet`): a member lost since the
+    The members meet on the store first (:func:`adaptive.runtime.reforming.meet`): a member lost since the
     generation was agreed fails this with :class:`CollectiveError` within seconds, not at the timeout.
     """
     wid = membership.membership().wid
@@ -261,7 +261,7 @@ def wait(work: Any, what: str) -> None:
     """Wait for the collective ``work``; :class:`CollectiveError` when it fails.
 
     In live mode it is waited for in slices, and between them a lost peer
-    that another member reported (:func:`adaptive.runtime.membership.report_loss`)
+    that another member reported (:func:`adaptive.runtime.reforming.report_loss`)
     ends the wait with the error too: in a group of three or more, a member
     can wait for data that a member which already saw the loss will never
     send, and would otherwise only learn of it at the collective timeout.

@@ -19,7 +19,7 @@ A survivor can also be waiting in a collective with a member that recorded
 the failure and stopped sending.  Collectives are therefore waited for in
 slices, and between them the wait ends as a recorded loss once a member
 said on the store that it is re-forming
-(:func:`adaptive.runtime.membership.report_loss`), so the whole group
+(:func:`adaptive.runtime.reforming.report_loss`), so the whole group
 reaches the re-formation.  :func:`close_all`, which every member that is
 left calls then, makes sure nothing more is sent on the old groups; their
 gloo backends are kept, not destroyed, until their collectives time out

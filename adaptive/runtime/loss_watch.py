@@ -6,7 +6,7 @@ member can then wait in a collective for data that one of them will never
 send (gloo's ring algorithms pass data on from neighbour to neighbour), and
 would only learn of the loss at the collective timeout, after the others
 had taken it for dead.  Every member that re-forms says so on the store
-first (:func:`adaptive.runtime.membership.report_loss`).  Collectives waited
+first (:func:`adaptive.runtime.reforming.report_loss`).  Collectives waited
 for on the calling thread look at that between slices of their wait
 (:func:`adaptive.runtime.collectives.wait`); a future that torch waits for
 itself (the gradient all-reduce of DDP's communication hook) is handed to
