@@ -9,7 +9,7 @@ once, as if the process had restarted (tests use it between in-process
 The job is typed and owes nothing to the layers above the runtime.  It holds
 the runtime's own records (the process groups, whether the process is
 exiting); every other layer defines its record in its own module (the
-checkpoint session in :mod:`adaptive.checkpoint.session`, the stop agreement
+checkpoint session in :mod:`adaptive.checkpoint.states`, the stop agreement
 in :mod:`adaptive.elastic.sync_points`, ...) and reaches it through
 :meth:`Job.part`, which creates it on first use::
 
