@@ -46,7 +46,7 @@ def _with_others(store, *others: Member) -> Generation:
 def test_the_generation_and_its_members_round_trip_through_json():
     generation = Generation(4, (Member(1, 1, 0), Member(7, 2, 1)), joiners=(7,))
     again = Generation.from_json(generation.to_json())
-    assert again == generation and again.rank_of(7) == 1 and again.member(7) == Member(7, 2, 1)
+    assert again == generation and again.rank_of(7) == 1 and again.members[1] == Member(7, 2, 1)
     assert again.rank_of(3) is None and GenerationKeys(4).join_waiting(2) == "gen/4/join/2/waiting"
 
 

@@ -41,14 +41,9 @@ from adaptive.checkpoint import peer_state, states
 from adaptive.runtime import collectives, membership
 from adaptive.runtime.step import stream
 
-__all__ = ["awaiting", "admit"]
+__all__ = ["admit"]
 
 logger = logging.getLogger(__name__)
-
-
-def awaiting() -> bool:
-    """Whether this process found a live job running and has not been admitted into it yet."""
-    return membership.is_live() and membership.membership().awaiting_admission
 
 
 def admit() -> None:
@@ -67,7 +62,7 @@ def admit() -> None:
     if not membership.is_live():
         return
     collectives.init_process_group()  # a no-op once the script did; finds the job running, or forms it
-    if not awaiting():
+    if not membership.is_awaiting_admission():
         return
     started = time.perf_counter()
     collectives.complete_admission()

@@ -358,7 +358,7 @@ def resumed_checkpoint() -> Checkpoint | None:
         return session.resumed
     if membership.is_live():
         collectives.init_process_group()  # forms the live job, or finds it running (a no-op once the script did)
-        if membership.membership().awaiting_admission:
+        if membership.is_awaiting_admission():
             return None  # restored when admitted (adaptive.checkpoint.admission), not from disk
     store = _checkpoint_store()
     resumed = session.resumed = store.latest()
@@ -464,7 +464,7 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
     """
     _validate_metadata(metadata)  # a bad argument fails on every replica alike, before any collective
     check_bool("blocking", blocking)
-    if membership.is_live() and membership.membership().awaiting_admission:
+    if membership.is_awaiting_admission():
         raise RuntimeError("save_all_states() was called by a process that joins a running live job before it "
                            "was admitted (admission comes at its first remaining_epochs_until, loader or "
                            "Accumulator.synchronized() iteration): it has no state of the job to save yet; "

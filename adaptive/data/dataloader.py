@@ -265,8 +265,13 @@ class AdaptiveDataLoader:
         if self._controller is not None:
             self._controller.config = dataclasses.replace(self._controller.config,
                                                           init_batch_size=self._init_batch_size)
-            self._sizer.autoscale = self._controller.current
-            self._sizer.schedule = self._schedule  # only an explicit schedule caps autoscale
+            self._follow_controller()
+
+    def _follow_controller(self) -> None:
+        """The sizer takes its steps' shape from the autoscale controller."""
+        assert self._controller is not None
+        self._sizer.autoscale = self._controller.current
+        self._sizer.schedule = self._schedule  # only an explicit schedule caps autoscale
 
     def _default_reference(self, batch_size: int | None) -> int:
         """The reference size (what the LR was tuned for) when no checkpoint says otherwise."""
@@ -347,8 +352,7 @@ class AdaptiveDataLoader:
             self._controller = BatchSizeController(self.name, config, self._state.scope)
         else:
             self._controller.config = config
-        self._sizer.autoscale = self._controller.current
-        self._sizer.schedule = self._schedule  # only an explicit schedule caps autoscale
+        self._follow_controller()
 
     # ------------------------------------------------------------------ properties
 

@@ -145,6 +145,7 @@ class LiveAgent:
         self._beat()
         self.status_dir = status_dir
         self.job_id = _job_id(args)
+        self.job_store = membership.job_store(self.store, self.job_id)  # the job's keys on the store
         self.workers: dict[int, subprocess.Popen[bytes] | WarmWorker | None] = {}
         self.codes: dict[int, int] = {}
         self.starts: dict[int, int] = {}
@@ -242,17 +243,20 @@ class LiveAgent:
         self._start(local_rank)
         return None
 
+    def _worker_id(self, local_rank: int) -> int | None:
+        """The job's id of this node's worker ``local_rank`` (None before it joined)."""
+        wid = membership.read(self.job_store, live_protocol.worker_of_key(self.node, local_rank))
+        return None if wid is None else int(wid)
+
     def _kill_hung(self) -> None:
         """Kill the workers that the job's other members took out as hung (they are started again as failed)."""
-        store = membership.job_store(self.store, self.job_id)
         for local_rank, worker in self.workers.items():
             if worker is None or worker.pid is None or worker.poll() is not None:
                 continue
             try:
-                key = live_protocol.worker_of_key(self.node, local_rank)
-                wid = int(store.get(key)) if store.check([key]) else None
-                hung = wid is not None and store.check([live_protocol.dead_key(wid)]) and \
-                    store.get(live_protocol.dead_key(wid)).decode() == live_protocol.HUNG
+                wid = self._worker_id(local_rank)
+                hung = wid is not None and \
+                    membership.read(self.job_store, live_protocol.dead_key(wid)) == live_protocol.HUNG
             except (RuntimeError, OSError, ValueError) as error:
                 logger.debug("could not read whether worker %d was taken out as hung: %s", local_rank, error)
                 continue
@@ -263,11 +267,10 @@ class LiveAgent:
 
     def _say_dead(self, local_rank: int) -> None:
         """Tell the job's other members that this local rank's worker died (they stop waiting for it)."""
-        store = membership.job_store(self.store, self.job_id)
-        key = live_protocol.worker_of_key(self.node, local_rank)
         try:
-            if store.check([key]):
-                store.set(live_protocol.dead_key(int(store.get(key))), "1")
+            wid = self._worker_id(local_rank)
+            if wid is not None:
+                self.job_store.set(live_protocol.dead_key(wid), "1")
         except (RuntimeError, OSError, ValueError) as error:
             logger.debug("could not report the death of worker %d: %s", local_rank, error)
 

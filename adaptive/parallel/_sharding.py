@@ -33,7 +33,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from adaptive._utils.checks import check_int
-from adaptive.checkpoint import admission
 from adaptive.runtime import env, fault_tolerant_group, membership
 from adaptive.runtime.job import current_job
 
@@ -123,7 +122,7 @@ class _LiveShardSize:
 def _hsdp_mesh(kind: str, wanted: int, replicas: int) -> DeviceMesh:
     """A 2-D mesh over ``replicas`` with shard groups of :func:`live_shard_size` ``(wanted, replicas)``."""
     size = live_shard_size(wanted, replicas)
-    if size != wanted and not admission.awaiting():  # a joiner's group of one: it shards anew once admitted
+    if size != wanted and not membership.is_awaiting_admission():  # a joiner's group of one: it shards anew once admitted
         logger.warning("HSDP shard groups of %d replicas do not divide the %d replicas now; sharding in groups of "
                        "%d until they do", wanted, replicas, size)
     return _mesh(kind, (replicas // size, size), ("replicate", "shard"))

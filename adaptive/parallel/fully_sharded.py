@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from adaptive.checkpoint import admission, peer_shards, states
+from adaptive.checkpoint import peer_shards, states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, fault_tolerant_group, membership
 from adaptive.parallel import _sharding, _training
@@ -228,7 +228,7 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         (get_state_dict) runs one optimizer step with learning rate 0.  A live joiner not admitted yet
         does both once admitted (:meth:`_restore_on_admission`).
         """
-        if admission.awaiting():
+        if membership.is_awaiting_admission():
             return
         restored = states.load_state(self._state)
         self.step_lr = _training.wire_optimizer(self.optimizer, self.scaling_rule, self.gns)

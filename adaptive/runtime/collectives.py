@@ -152,8 +152,7 @@ def complete_admission() -> None:
     running members wait only for the state to arrive.  Does nothing for a
     member.
     """
-    record = membership.membership()
-    if not record.awaiting_admission:
+    if not membership.is_awaiting_admission():
         return
     following = membership.join(_groups().timeout or env.collective_timeout())
     assert following is not None

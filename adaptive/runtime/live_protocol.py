@@ -74,11 +74,6 @@ class Generation:
                 return rank
         return None
 
-    def member(self, wid: int) -> Member | None:
-        """Worker ``wid``'s record, None when it is not a member."""
-        rank = self.rank_of(wid)
-        return None if rank is None else self.members[rank]
-
     @property
     def keys(self) -> GenerationKeys:
         return GenerationKeys(self.number)

@@ -92,7 +92,3 @@ class Watch:
                 self._seen[key] = (value, now)
                 return 0.0
             return now - last[1]
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._seen.pop(key, None)

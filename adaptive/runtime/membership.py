@@ -58,10 +58,10 @@ from adaptive.runtime.live_protocol import (CURRENT_KEY, WORKERS_KEY, Generation
 if TYPE_CHECKING:
     import torch.distributed
 
-__all__ = ["LAST_CALL", "AGENT_STALE", "MEET_TIMEOUT", "Membership", "is_live", "is_member",
+__all__ = ["LAST_CALL", "AGENT_STALE", "MEET_TIMEOUT", "Membership", "is_live", "is_awaiting_admission", "is_member",
            "membership", "generation_number", "join", "enter", "mark_failed", "mark_ended", "on_regroup",
            "notify_regroup", "generation_store", "group_formed", "members_env", "job_store", "read", "publish",
-           "is_dead", "Poll"]
+           "is_dead", "silent_for", "Poll"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,11 @@ def is_live() -> bool:
 def membership() -> Membership:
     """This job's membership record."""
     return current_job().part(Membership)
+
+
+def is_awaiting_admission() -> bool:
+    """Whether this process found the live job running and has not been admitted into it yet."""
+    return membership().awaiting_admission
 
 
 def is_member() -> bool:
@@ -194,6 +199,14 @@ def publish(store: torch.distributed.Store, generation: Generation) -> None:
     store.set(CURRENT_KEY, str(generation.number))
 
 
+def silent_for(member: Member) -> float:
+    """Seconds ``member``'s sign of life has not moved while this process looked (0 at the first look)."""
+    record = membership()
+    assert record.store is not None
+    key = beat_key(member.wid)
+    return record.watch.silent_for(key, int(record.store.add(key, 0)))
+
+
 def is_dead(member: Member, agent_stale: float = AGENT_STALE) -> bool:
     """Whether ``member`` is known dead: its launcher said so (or the others took it out as hung), its node's
     launcher stopped renewing its sign of life for ``agent_stale`` seconds, or its own sign of life has not
@@ -202,9 +215,7 @@ def is_dead(member: Member, agent_stale: float = AGENT_STALE) -> bool:
     assert record.store is not None
     if record.store.check([dead_key(member.wid)]):
         return True
-    key = beat_key(member.wid)
-    if member.wid != record.wid and \
-            record.watch.silent_for(key, int(record.store.add(key, 0))) >= env.live_hang_timeout():
+    if member.wid != record.wid and silent_for(member) >= env.live_hang_timeout():
         return True
     agents = record.agents
     if agents is None or not agents.check([agent_key(member.node)]):

@@ -24,8 +24,8 @@ import logging
 import time
 
 from adaptive.runtime import env
-from adaptive.runtime.live_protocol import CURRENT_KEY, HUNG, Generation, GenerationState, Member, beat_key, dead_key
-from adaptive.runtime.membership import MEET_TIMEOUT, Poll, is_dead, membership, publish, read
+from adaptive.runtime.live_protocol import CURRENT_KEY, HUNG, Generation, GenerationKeys, GenerationState, Member, dead_key
+from adaptive.runtime.membership import MEET_TIMEOUT, Poll, is_dead, membership, publish, read, silent_for
 
 __all__ = ["HANG_CHECK_INTERVAL", "reform_after_loss", "meet", "report_loss", "loss_reported"]
 
@@ -57,7 +57,7 @@ def loss_reported(number: int | None = None) -> bool:
     if record.store is None or number is None:
         return False
     generation = record.generation
-    if record.store.check([Generation(number, ()).keys.lost]):
+    if record.store.check([GenerationKeys(number).lost]):
         return True
     now = time.monotonic()
     if generation is None or generation.number != number or now - record.hang_checked_at < HANG_CHECK_INTERVAL:
@@ -81,16 +81,9 @@ def loss_reported(number: int | None = None) -> bool:
 
 def _silent(members: list[Member]) -> list[tuple[Member, float]]:
     """The ``members`` whose sign of life has not changed for the hang timeout, with the seconds."""
-    record = membership()
-    assert record.store is not None
     timeout = env.live_hang_timeout()
-    silent = []
-    for member in members:
-        key = beat_key(member.wid)
-        seconds = record.watch.silent_for(key, int(record.store.add(key, 0)))
-        if seconds >= timeout:
-            silent.append((member, seconds))
-    return silent
+    silences = [(member, silent_for(member)) for member in members]
+    return [(member, seconds) for member, seconds in silences if seconds >= timeout]
 
 
 def reform_after_loss(timeout: float) -> Generation | None:
