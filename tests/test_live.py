@@ -16,6 +16,7 @@ import signal
 import time
 
 import portpicker
+import psutil
 
 from elastic_harness import live_pids, wait_exit, wait_for
 from live_harness import BATCH, LIVE_WORKER, REPO, SAMPLES, check_after_rollbacks, check_steps, exits, launch, logs
@@ -55,20 +56,24 @@ def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_sur
 
 
 def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_loses_a_worker(jobs, tmp_path):
-    """pytorch/examples' mnist order: loaders (with autoscale), a validation loader and an accumulator before
-    the model wrapper.  A joiner builds all of it on a group of its own and is admitted at its first loop;
-    its worker is SIGKILLed and started again (admitted again), then its node leaves.  The survivor keeps
-    its PID, no one waits for a joiner's start-up, and every sample is trained once per epoch."""
+    """pytorch/examples' mnist order: loaders (with autoscale and a DataLoader worker), a validation loader and
+    an accumulator before the model wrapper, rank 0 preparing the data behind a barrier.  A joiner builds all
+    of it on a group of its own and is admitted at its first loop; its worker is SIGKILLed (it and its
+    DataLoader worker are gone, by PID) and started again (admitted again), then its node leaves.  The
+    survivor keeps its PID, no one waits for a joiner's start-up, and every sample is trained once per
+    epoch."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_ORDER": "loaders-first",
-                "WORKER_EVAL": "1", "WORKER_AUTOSCALE": "48,4,24,1,5", "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5",
-                "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
+                "WORKER_EVAL": "1", "WORKER_AUTOSCALE": "48,4,24,1,5", "WORKER_LOADER_WORKERS": "1",
+                "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5", "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
     first = launch(jobs, out, port, "first", restarts=1, **settings)
     records = wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
     survivor = records[0]["pid"]
     second = launch(jobs, out, port, "second", restarts=1, **settings)
     records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the joiner to train")
     joiner = next(r["pid"] for r in records if r["pid"] != survivor)
+    loader_workers = [child.pid for child in psutil.Process(joiner).children(recursive=True)]
+    assert loader_workers, "the joiner had no DataLoader worker process"
     killed = time.time()
     os.kill(joiner, signal.SIGKILL)
     records = wait_steps(out, lambda rs: sum(r["world"] == 2 and r["time"] > killed and r["pid"] != joiner
@@ -81,7 +86,9 @@ def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_lose
     check_after_rollbacks(out, epochs=4)
     assert {r["pid"] for r in steps(out)} == {survivor, joiner, rejoined}
     assert exits(out) == {survivor: 0, rejoined: 143}, exits(out)
-    assert live_pids([survivor, joiner, rejoined]) == []
+    assert live_pids([survivor, joiner, rejoined] + loader_workers) == []
+    said = (out / "first.log").read_text(errors="replace")
+    assert "lost a member" in said and "live membership change" in said, logs(out)
     worlds = [r["world"] for r in steps(out) if r["pid"] == survivor and not r["discarded"]]
     assert worlds[0] == 1 and worlds[-1] == 1 and 2 in worlds, worlds
     validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]

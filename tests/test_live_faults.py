@@ -354,7 +354,9 @@ def test_a_stopped_member_is_named_taken_out_and_started_again(jobs, tmp_path):
     without it in their processes, its launcher kills it (by PID) and starts it again, and the new worker joins
     them; the job ends exact."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    launchers, pids = _three_members(jobs, out, port, ADAPTIVE_LIVE_HANG_TIMEOUT="4")
+    launchers, pids = _three_members(jobs, out, port, ADAPTIVE_LIVE_HANG_TIMEOUT="4", WORKER_LOADER_WORKERS="1")
+    loader_workers = [child.pid for child in psutil.Process(pids[1]).children(recursive=True)]
+    assert loader_workers, "the stopped worker had no DataLoader worker process"
     stopped = time.time()
     os.kill(pids[1], signal.SIGSTOP)
     try:
@@ -366,7 +368,7 @@ def test_a_stopped_member_is_named_taken_out_and_started_again(jobs, tmp_path):
             os.kill(pids[1], signal.SIGCONT)
     back = min(r["time"] for r in records if r["time"] > stopped + 0.5 and not r["discarded"])
     assert back - stopped < 4 + 10, f"the others trained again only {back - stopped:.1f} s after the stop"
-    assert live_pids([pids[1]]) == [], "the stopped worker was not killed"
+    assert live_pids([pids[1]] + loader_workers) == [], "the stopped worker or its DataLoader worker was not killed"
     _wait_launchers(out, launchers)
     said = "".join(log.read_text(errors="replace") for log in out.glob("*.log"))
     assert "gave no sign of life" in said and "out as hung; killing it" in said, logs(out)
