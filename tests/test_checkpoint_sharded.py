@@ -32,7 +32,7 @@ from adaptive.checkpoint import _dcp_io, _format, _saving, _staging, states
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.runtime import env
 from adaptive.runtime import step as step_records
-from adaptive.elastic import sync_points
+from adaptive.elastic import stopping, sync_points
 from adaptive.runtime.job import current_job, reset_job
 from adaptive.runtime.process_tree import kill_process_tree
 from workers.sharded_ckpt_common import FSDPState, assert_equal_states, build, full_state, train
@@ -319,7 +319,7 @@ def test_the_graceful_stop_waits_for_the_save_in_flight(group: Path, monkeypatch
     adaptive.save_all_states({"reason": "periodic"}, blocking=False)
     threading.Timer(0.3, release.set).start()
     with pytest.raises(SystemExit) as stopped:
-        sync_points._stop({"reason": "stop"})
+        stopping.stop_and_exit({"reason": "stop"})
     assert stopped.value.code == sync_points.GRACEFUL_EXIT_CODE
     infos = store(group).list()
     assert [(i.seq, i.metadata["reason"]) for i in infos] == [(1, "periodic"), (2, "stop")]
@@ -339,12 +339,12 @@ def test_periodic_saves_are_asynchronous_by_setting(group: Path, monkeypatch: py
         env.async_checkpoint()
     calls: list[dict] = []
     monkeypatch.setattr(states, "save_all_states", lambda info, **kw: calls.append(kw))
-    current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
+    current_job().part(sync_points.Agreement).decided.checkpoint_due = True
     sync_points._act(dict)
     assert calls == []  # nothing trained since the last save: a due save would repeat it
     for raw in ("1", "0"):
         step_records.stream().steps_committed += 1  # a step was trained since
-        current_job().part(sync_points.Agreement).decided[:] = [0.0, 1.0]
+        current_job().part(sync_points.Agreement).decided.checkpoint_due = True
         monkeypatch.setenv("ADAPTIVE_ASYNC_CHECKPOINT", raw)
         sync_points._act(dict)
     assert calls == [{"blocking": False}, {"blocking": True}]

@@ -236,7 +236,7 @@ def test_finish_training_checkpoints_an_early_end_that_a_relaunch_keeps(job, whe
     trained, loader = _train_until(7, where)
     steps = 10 if where == "after-loop" else 7  # after the loop: the epoch's loop ran to its end (5 steps each)
     assert loader.step == steps and len(trained) == 4 * steps and adaptive.training_finished()
-    latest = adaptive.checkpoint.states._checkpoint_store().latest()
+    latest = adaptive.checkpoint.fencing.checkpoint_store().latest()
     assert latest.info.metadata["reason"] == "finished" and latest.info.metadata["training_ended"] is True
     restart_process_state()
     replayed, loader = _train_until(7, where)

@@ -116,8 +116,8 @@ def run_sequence(jobs: Jobs, references, tmp_path, script: Script, sequence: str
 
 # ---------------------------------------------------------------------- the ports of AdaptDL's scripts
 
-FAST_PORTS = {("cifar", "term-valid"), ("tutorial", "kill-worker")}
-SAMPLED_PORTS = {("mnist", "term-epoch-end")}  # about 35 s: CI runs it after the default suite
+FAST_PORTS = {("tutorial", "kill-worker")}
+SAMPLED_PORTS = {("mnist", "term-epoch-end"), ("cifar", "term-valid")}  # 25-35 s each: CI runs them after the default suite
 
 
 def _port_cases():
@@ -169,6 +169,8 @@ def test_every_scheduler_and_optimizer_survives_the_gauntlet(jobs, references, t
     run_sequence(jobs, references, tmp_path, scheduler_script(scheduler, optimizer, **options), "gauntlet")
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_scheduler_amp_clip_and_break_survive_a_rescale(jobs, references, tmp_path):
     """The fast sample's scheduler case: OneCycleLR stepped per step, AdamW, GradScaler, clipping, an
     early break in the last epoch; 2 -> 1 -> 3 replicas."""

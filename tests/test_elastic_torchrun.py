@@ -113,6 +113,8 @@ def test_sigint_stops_like_ctrl_c_and_the_relaunch_resumes(jobs, tmp_path):
     assert_exact_counts(out, 2, out / "job1.log")
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_membership_change_with_c10d_agents_join_and_leave(jobs, tmp_path):
     out = tmp_path / "membership"
     port = portpicker.pick_unused_port()
@@ -148,6 +150,8 @@ def _batches(out):
     return [json.loads(line) for line in (out / "batches.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_autoscale_changes_batch_mid_epoch_and_redecides_after_rescale(jobs, tmp_path):
     out = tmp_path / "autoscale"
     knobs = dict(ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_EPOCHS="3", WORKER_SAMPLES="1200", WORKER_BATCH="16",

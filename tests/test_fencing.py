@@ -21,11 +21,11 @@ import psutil
 import pytest
 import torch
 
-from adaptive.checkpoint import states
+from adaptive.checkpoint import fencing, states
 from adaptive.checkpoint.generation import (GENERATION_FILE, LOCK_FILE, Generation, StaleGenerationError,
                                             newest_generation)
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
-from adaptive.elastic import sync_points
+from adaptive.elastic import stopping, sync_points
 from adaptive.runtime.process_tree import descendants
 from elastic_harness import Jobs, live_pids, progress, tail, wait_exit, wait_for
 
@@ -139,14 +139,14 @@ class _Weights(states.State):
 
 def test_each_incarnation_takes_a_generation_and_records_it_in_its_checkpoints(job: Path) -> None:
     _Weights()
-    assert states.resumed_checkpoint() is None and states.generation().number == 1
+    assert states.resumed_checkpoint() is None and fencing.generation().number == 1
     states.save_all_states({"step": 1})
     assert CheckpointStore(job / "checkpoints").latest().info.metadata["generation"] == 1
     from conftest import restart_process_state
 
     restart_process_state()  # a relaunch
     _Weights()
-    assert states.resumed_checkpoint().info.seq == 1 and states.generation().number == 2
+    assert states.resumed_checkpoint().info.seq == 1 and fencing.generation().number == 2
 
 
 @pytest.mark.parametrize("how", ["agreement", "periodic", "stop", "asynchronous"])
@@ -158,16 +158,16 @@ def test_a_stale_job_stops_with_one_clear_line_and_writes_nothing(job: Path, how
     before = _snapshot(job / "checkpoints")
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
         if how == "agreement":  # rank 0 reads the record at most every second
-            monkeypatch.setattr(states, "GENERATION_CHECK_INTERVAL", 0.0)
+            monkeypatch.setattr(fencing, "GENERATION_CHECK_INTERVAL", 0.0)
             for _ in range(3):
                 sync_points.step_boundary(lambda: {"step": 2})
         elif how == "periodic":
-            sync_points.save_or_exit({"reason": "periodic"})
+            stopping.save_or_exit({"reason": "periodic"})
         elif how == "stop":
             sync_points.request_stop()
             sync_points.settle(lambda: {"step": 2})
         else:
-            sync_points.save_or_exit({"reason": "periodic"}, blocking=False)
+            stopping.save_or_exit({"reason": "periodic"}, blocking=False)
     assert stopped.value.code == STALE
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert lines == [f"generation 1 of this job is stale: generation 2 took over the checkpoint folder "
@@ -230,6 +230,8 @@ def _common(ckpt: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_a_frozen_incarnation_wakes_up_stale_publishes_nothing_and_exits(tmp_path: Path) -> None:
     """SIGSTOP the first incarnation, let a second resume and finish the job, SIGCONT the first."""
     jobs = Jobs(tmp_path)

@@ -103,7 +103,8 @@ def _stop(jobs, proc, out: Path, started: float, log: Path) -> None:
     assert_stopped_gracefully(out, started, progress(out, 0), log)
 
 
-@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta-device"])
+@pytest.mark.parametrize("meta", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.ci_sample])],
+                         ids=["built", "meta-device"])
 def test_sigkill_then_stops_and_relaunches_at_2_1_3_replicas_reshard_exactly(jobs, tmp_path, meta):
     out = tmp_path / "reshard"
     knobs = dict(WORKER_EPOCHS="3", ADAPTIVE_CHECKPOINT_KEEP="1000",  # keep every resumed checkpoint, to compare

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import adaptive
-from adaptive.checkpoint import states
+from adaptive.checkpoint import fencing, states
 from adaptive.checkpoint.versions import UNVERSIONED, Format, StateFormatError, check_fields, read_state
-from adaptive.elastic import sync_points
+from adaptive.elastic import stopping, sync_points
 from adaptive.parallel._training import TrainedModels, trained_models
 from adaptive.runtime.job import current_job, reset_job
 from adaptive.runtime.step import StepContext, current_step
@@ -55,11 +55,11 @@ def test_reset_forgets_states_agreement_epoch_and_models(job):
     adaptive.Accumulator()
     sync_points.request_stop()
     old = current_job()
-    assert old.part(states.CheckpointSession).registry and old.part(sync_points.Agreement).stop_requested
+    assert old.part(states.CheckpointSession).registry and old.part(stopping.StopRequest).requested
     assert old.part(TrainedModels).latest is not None
     new = reset_job()
     assert new is current_job() and new is not old
-    assert not new.part(states.CheckpointSession).registry and not new.part(sync_points.Agreement).stop_requested
+    assert not new.part(states.CheckpointSession).registry and not new.part(stopping.StopRequest).requested
     assert new.part(TrainedModels).latest is None
     assert not sync_points.stop_requested() and states.registered_states() == []
 
@@ -114,10 +114,10 @@ def test_one_reader_for_a_versioned_dict_declared_by_a_format_or_by_a_class():
 def test_checkpoints_record_state_versions_and_a_newer_one_is_a_clear_error(job):
     for _ in adaptive.remaining_epochs_until(1):
         pass
-    latest = states._checkpoint_store().latest()
+    latest = fencing.checkpoint_store().latest()
     assert latest.info.metadata["state_versions"]["adaptive.epoch"] == 2
     # The same checkpoint as a later release might write it: format 3 of the epoch state.
-    store = states._checkpoint_store()
+    store = fencing.checkpoint_store()
     content = {name: latest.load(name) for name in latest.names()}
     store.save(content, metadata=dict(latest.info.metadata, state_versions={"adaptive.epoch": 3}))
     restart_process_state()
@@ -132,14 +132,14 @@ def test_the_manifest_lists_the_steps_that_states_declare(job):
         pass
     adaptive.Accumulator()  # a state without a step
     states.save_all_states()
-    metadata = states._checkpoint_store().latest().info.metadata
+    metadata = fencing.checkpoint_store().latest().info.metadata
     assert metadata["loader_steps"] == {"train": 2}
     assert metadata["state_versions"]["adaptive.dataloader.train"] == 1
 
 
 def test_a_checkpoint_of_the_previous_release_still_resumes(job):
     """0.1 wrote no versions, and its epoch state had no "ended": migrated explicitly to format 2."""
-    store = states._checkpoint_store()
+    store = fencing.checkpoint_store()
     store.save({"adaptive.epoch": {"current": None, "finished": 2}}, metadata={"reason": "stop", "epoch": 2})
     restart_process_state()
     assert adaptive.finished_epochs() == 2 and not adaptive.training_finished()

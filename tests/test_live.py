@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import portpicker
@@ -53,6 +55,33 @@ def test_a_joiner_takes_the_state_from_its_peers_and_a_leaver_goes_while_the_sur
     validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in validation] == list(range(4)), validation  # each epoch's validation loop, once
     assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
+
+
+def test_a_drained_node_leaves_at_the_next_step_without_a_signal_and_is_not_started_again(jobs, tmp_path):
+    """``adaptive drain`` (the job's store, no signal to the node): the drained node's worker leaves with nothing
+    lost, its launcher ends with 143 without starting it again, the other member keeps its PID and finishes."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "6", "WORKER_STEP_SLEEP": "0.08"}
+    first = launch(jobs, out, port, "first", **settings)
+    wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
+    second = launch(jobs, out, port, "second", **settings)
+    records = wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 6, "the second node to join")
+    survivor = records[0]["pid"]
+    drained = next(r["pid"] for r in records if r["pid"] != survivor)
+    asked = subprocess.run([sys.executable, "-m", "adaptive", "drain", "--endpoint", f"127.0.0.1:{port}",
+                            "--job-id", "live_worker", "--node", "2"], capture_output=True, text=True, timeout=60)
+    assert asked.returncode == 0 and "node 2" in asked.stdout, asked.stderr
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert live_pids([drained]) == [], "the drained worker still runs"
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+
+    by_step = check_steps(out, epochs=6)  # every sample once per epoch, the members equal
+    assert {r["pid"] for r in steps(out)} == {survivor, drained}, f"a worker was restarted\n{logs(out)}"
+    assert exits(out) == {survivor: 0, drained: 143}
+    worlds = [records[0]["world"] for _, records in sorted(by_step.items())]
+    assert worlds[-1] == 1 and [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [1, 2, 1], worlds
+    assert "node 2 was drained" in (out / "second.log").read_text()
+    assert "started worker" not in (out / "second.log").read_text().split("was asked to drain")[-1]
 
 
 def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_loses_a_worker(jobs, tmp_path):

@@ -110,7 +110,8 @@ def _check_survivors(out: Path, survivors: set[int], killed: int, since: float) 
     return after
 
 
-@pytest.mark.parametrize("victim", ["donor", pytest.param("member", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
+@pytest.mark.parametrize("victim", [pytest.param("donor", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
+                                    pytest.param("member", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
                                     pytest.param("joiner", marks=[pytest.mark.slow, pytest.mark.ci_sample])])
 def test_a_kill_during_the_state_transfer_to_a_joiner(jobs, tmp_path, victim):
     """Two members train; a third node joins, and while rank 0 (the donor) hands it the state (the joiner

@@ -141,3 +141,20 @@ def test_this_process_gives_signs_of_life(store):
     first = int(store.add(key, 0))
     time.sleep(1.2)
     assert int(store.add(key, 0)) > first
+
+
+def test_a_drain_request_waits_until_served_and_names_its_node_once(store, monkeypatch):
+    from adaptive.elastic import live
+    from adaptive.runtime import draining
+
+    assert draining.pending_drains(store) == 0 and live.drains_seen() == 0
+    draining.request_drain(store, 2)
+    draining.request_drain(store, 2)  # asked twice: one request
+    assert draining.pending_drains(store) == 1 and live.drains_seen() == 1  # rank 0 reads it for the agreement
+    assert draining.is_drained(store, 2) and not draining.is_drained(store, 1)
+    monkeypatch.setenv(env.LIVE_NODE_VAR, "2")
+    assert live._drained(1) and live.leave_requested()  # this member's node was drained: it leaves
+    draining.mark_served(store, 1)
+    assert draining.pending_drains(store) == 0
+    with pytest.raises(ValueError, match="node must be"):
+        draining.request_drain(store, 0)

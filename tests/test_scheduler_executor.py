@@ -522,6 +522,8 @@ WORKER = os.path.join(REPO, "tests", "workers", "elastic_worker.py")
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_real_jobs_first_finishes_second_scales_up_with_exact_data(tmp_path):
     if not hasattr(pytest.importorskip("adaptive"), "AdaptiveDataLoader"):
         pytest.skip("the elastic core (adaptive.AdaptiveDataLoader) is not available")

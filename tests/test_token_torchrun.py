@@ -37,6 +37,8 @@ def _steps(out):
     return [records[step] for step in sorted(records)]
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25 s: CI runs it after the default suite
 def test_kill_then_rescale_mid_epoch_and_mid_ramp_continues_the_schedule_exactly(jobs, tmp_path):
     out = tmp_path / "tokens"
     knobs = dict(WORKER_SCHEDULE=SCHEDULE, WORKER_MAX_TOKENS=str(MAX_TOKENS), WORKER_EPOCHS="2")

@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["write_json_atomic", "read_json", "fsync_dir"]
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | None = 1,
+def write_json_atomic(path: str | os.PathLike[str], data: object, *, indent: int | None = 1,
                       sort_keys: bool = True, allow_nan: bool = True) -> Path:
     """Write ``data`` as JSON to ``path`` atomically; returns ``Path(path)``.
 

@@ -10,13 +10,13 @@ name's module is imported when the name is first used (PEP 562).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import Callable
 
 __all__ = ["lazy_exports"]
 
 
 def lazy_exports(package: str, exports: dict[str, str], subpackages: tuple[str, ...] = ()
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+                 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for ``package``.
 
     Args:
@@ -27,7 +27,7 @@ def lazy_exports(package: str, exports: dict[str, str], subpackages: tuple[str, 
             them first (``import adaptive; adaptive.parallel.sharding_mesh``).
     """
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         module_name = exports.get(name) or (f"{package}.{name}" if name in subpackages else None)
         if module_name is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

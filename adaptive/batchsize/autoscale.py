@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from adaptive._utils.checks import check_bool, check_float, check_int
-from adaptive.checkpoint import states
+from adaptive._utils.types import StateDict
+from adaptive.checkpoint import fencing, states
 from adaptive.runtime import collectives
 from adaptive.runtime import env
 from adaptive.batchsize.hint_posting import post_hints
 from adaptive.batchsize.throughput_profile import ThroughputProfile
-from adaptive.goodput import CurrentConfig, GoodputFunction, Hints, PerfParams, write_hints
+from adaptive.goodput import CurrentConfig, GoodputFunction, GradParams, Hints, PerfParams, write_hints
 
 __all__ = ["AutoscaleConfig", "BatchSizeController", "Decision"]
 
@@ -104,12 +103,12 @@ class _AutoscaleState(states.State):
         self.accum_steps = 1
         self.replicas: int | None = None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {"profile": self.profile.state_dict(),
                 "perf_params": None if self.perf_params is None else self.perf_params.state_dict(),
                 "local_bsz": self.local_bsz, "accum_steps": self.accum_steps, "replicas": self.replicas}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.profile.load_state_dict(state["profile"])
         # perf_params: release 0.1 saved the seven fields without a version (read as version 1).
         self.perf_params = None if state["perf_params"] is None else PerfParams.from_state_dict(state["perf_params"])
@@ -179,7 +178,7 @@ class BatchSizeController:
                             compute_time=compute_time if compute_time and compute_time > 0 else None,
                             sync_time=sync, data_time=data_time)
 
-    def goodput_function(self, grad_params: Any) -> GoodputFunction | None:
+    def goodput_function(self, grad_params: GradParams | None) -> GoodputFunction | None:
         """The fitted goodput model, or None while it cannot be built yet."""
         if grad_params is None:
             logger.debug("no gradient statistics yet; keeping the batch size")
@@ -194,7 +193,8 @@ class BatchSizeController:
         self._state.perf_params = fitted
         return GoodputFunction(self._state.perf_params, grad_params, self.config.init_batch_size)
 
-    def hints(self, grad_params: Any, progress: float, completed_fraction: float | None = None) -> Hints:
+    def hints(self, grad_params: GradParams | None, progress: float,
+              completed_fraction: float | None = None) -> Hints:
         """What this job tells a cluster scheduler about itself.
 
         ``completed_fraction``: the part of the declared training done
@@ -213,7 +213,8 @@ class BatchSizeController:
                      current=CurrentConfig(env.num_nodes(), env.num_replicas(), local, accum),
                      completed_fraction=completed_fraction)
 
-    def report_hints(self, grad_params: Any, progress: float, completed_fraction: float | None = None) -> None:
+    def report_hints(self, grad_params: GradParams | None, progress: float,
+                     completed_fraction: float | None = None) -> None:
         """Write (and send, if a supervisor is configured) the hints; rank 0 only, never raises on I/O.
 
         ``completed_fraction`` as in :meth:`hints`.
@@ -225,20 +226,20 @@ class BatchSizeController:
         if env.rank() != 0 or not (self._fresh or self._reported_at is None
                                    or now - self._reported_at >= HINTS_REFRESH_SECONDS):
             return
-        if states.stale_generation() is not None:  # a fenced incarnation writes nothing into the folder
+        if fencing.stale_generation() is not None:  # a fenced incarnation writes nothing into the folder
             return
         self._fresh, self._reported_at = False, now
         try:
             hints = self.hints(grad_params, progress, completed_fraction)
             write_hints(hints, env.checkpoint_path())
-            url = os.environ.get("ADAPTIVE_SUPERVISOR_URL")
-            if url:
-                post_hints(f"{url.rstrip('/')}/v1/jobs/{hints.job_id}/hints", hints,
-                           token=os.environ.get("ADAPTIVE_SUPERVISOR_TOKEN"))
+            supervisor = env.supervisor()
+            if supervisor is not None:
+                url, token = supervisor
+                post_hints(f"{url.rstrip('/')}/v1/jobs/{hints.job_id}/hints", hints, token=token)
         except (OSError, ValueError) as error:
             logger.warning("could not report scheduler hints (%s); training goes on", error)
 
-    def decide(self, grad_params: Any, force: bool = False) -> Decision | None:
+    def decide(self, grad_params: GradParams | None, force: bool = False) -> Decision | None:
         """Agree on the configuration for the next steps; collective, call on every replica.
 
         Rank 0 evaluates the model and broadcasts its choice; every replica
@@ -271,7 +272,7 @@ class BatchSizeController:
             return True
         return time.monotonic() - self._evaluated_at >= EVALUATION_BUDGET * self._evaluation_cost
 
-    def _propose(self, grad_params: Any, force: bool) -> Decision | None:
+    def _propose(self, grad_params: GradParams | None, force: bool) -> Decision | None:
         function = self.goodput_function(grad_params)
         if function is None:
             return None

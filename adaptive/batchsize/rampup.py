@@ -64,9 +64,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from adaptive._utils.checks import check_choice, check_int
+from adaptive._utils.types import JSON
 from adaptive.batchsize.rampup_stages import check_stages, parse_stages
 from adaptive.batchsize.step_lr_rules import LR_RULES, step_lr_factor
 
@@ -128,7 +128,7 @@ class BatchSizeSchedule(abc.ABC):
         return consumed
 
     @abc.abstractmethod
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JSON:
         """The schedule as a plain-Python spec (``{"type": "linear", ...}``).
 
         What a user may pass as ``batch_size_schedule=`` (in a config file,
@@ -235,7 +235,7 @@ class ConstantSchedule(BatchSizeSchedule):
     def final_batch_size(self) -> int:
         return self._size
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JSON:
         return {"type": "constant", "batch_size": self._size, "unit": self.unit}
 
     def __repr__(self) -> str:
@@ -294,7 +294,7 @@ class LinearRampup(BatchSizeSchedule):
     def rampup_end(self) -> int:
         return self._rampup if self._num_increments else 0
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JSON:
         return {
             "type": "linear",
             "start": self._start,
@@ -358,7 +358,7 @@ class StagedSchedule(BatchSizeSchedule):
     def final_batch_size(self) -> int:
         return self._stages[-1][1]
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> JSON:
         return {"type": "staged", "stages": [list(s) for s in self._stages], "unit": self.unit}
 
     def __repr__(self) -> str:

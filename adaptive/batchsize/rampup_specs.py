@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from adaptive._utils.checks import check_choice
 from adaptive.batchsize.rampup import BatchSizeSchedule, ConstantSchedule, LinearRampup, StagedSchedule
@@ -23,13 +22,14 @@ __all__ = ["describe", "make_schedule"]
 
 logger = logging.getLogger(__name__)
 
-_KINDS: dict[str, type[BatchSizeSchedule]] = {
+#: Each spec ``type`` and the constructor its other keys are passed to (each checks its arguments).
+_KINDS: dict[str, Callable[..., BatchSizeSchedule]] = {
     "constant": ConstantSchedule, "linear": LinearRampup, "staged": StagedSchedule,
 }  # fmt: skip
 
 
 def make_schedule(
-    spec: BatchSizeSchedule | int | str | Mapping[str, Any], unit: str = "samples"
+    spec: BatchSizeSchedule | int | str | Mapping[str, object], unit: str = "samples"
 ) -> BatchSizeSchedule:
     """Build a schedule from a user-facing spec.
 
@@ -59,7 +59,7 @@ def make_schedule(
     return ConstantSchedule(spec, unit)
 
 
-def _from_spec(spec: Mapping[str, Any], unit: str) -> BatchSizeSchedule:
+def _from_spec(spec: Mapping[str, object], unit: str) -> BatchSizeSchedule:
     """Build a schedule from a :meth:`BatchSizeSchedule.spec` mapping, checking the keys."""
     if "type" not in spec:
         raise ValueError(f"schedule spec {dict(spec)!r} has no 'type': one of {', '.join(map(repr, _KINDS))}")

@@ -38,12 +38,15 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Mapping, Protocol
+from typing import Mapping, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from adaptive._utils.checks import check_float
+from adaptive._utils.types import StateDict
 from adaptive.checkpoint.versions import UNVERSIONED, check_fields, read_state
+from adaptive.goodput.noise_estimate import BatchConfig
 
 __all__ = [
     "GainSource",
@@ -77,7 +80,7 @@ class GainSource(Protocol):
         """Current global batch over the reference batch."""
 
     @property
-    def config(self) -> Any:
+    def config(self) -> BatchConfig | None:
         """Batch configuration with ``global_batch_size`` and ``init_batch_size`` (or None)."""
 
     def gain(self, scale: float | None = None) -> float:
@@ -95,8 +98,8 @@ class ScalingRule(ABC):
     def __init__(self) -> None:
         self._optimizer: torch.optim.Optimizer | None = None
         self._gns: GainSource | None = None
-        self._handles: list[Any] = []
-        self._saved_lrs: list[Any] | None = None
+        self._handles: list[RemovableHandle] = []
+        self._saved_lrs: list[float | torch.Tensor] | None = None
         self._step_gain = 1.0
         self._step_factor = 1.0
         self._step_samples = 0
@@ -128,7 +131,7 @@ class ScalingRule(ABC):
             handle.remove()
         self._handles, self._optimizer, self._gns = [], None, None
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self._restore()  # a previous step raised before its post-hook
         gns = self._gns
         scale = gns.scale if gns is not None else 1.0
@@ -144,7 +147,7 @@ class ScalingRule(ABC):
         self._step_samples = config.global_batch_size if config is not None else 0
         self._step_gain, self._step_factor = gain, factor
 
-    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self._restore()
         self.progress += self._step_gain
         self.steps += 1
@@ -159,12 +162,12 @@ class ScalingRule(ABC):
         self._saved_lrs = None
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Progress counters as plain numbers, format :attr:`version`."""
         return {"version": self.version, "name": self.name, "progress": self.progress, "steps": self.steps,
                 "samples": self.samples, "last_factor": self.last_factor, "last_gain": self.last_gain}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict` (also one of another rule: its progress carries over)."""
         fields = read_state("scaling rule", state, self, unversioned=UNVERSIONED)
         check_fields("scaling rule state", fields, _STATE_FIELDS, optional=("base_warmup_steps",))
@@ -258,7 +261,7 @@ class LEGW(ScalingRule):
         done = self.samples + scale * init
         return math.sqrt(scale) * min(1.0, done / warmup)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return dict(super().state_dict(), base_warmup_steps=self.base_warmup_steps)
 
     def __repr__(self) -> str:

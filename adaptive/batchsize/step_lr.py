@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from adaptive.batchsize.scaling_rules import ScalingRule
 from adaptive.batchsize.step_lr_rules import LR_RULES, step_lr_factor
 from adaptive.runtime.step import StepContext
 
@@ -48,7 +50,7 @@ _FAMILY = {"adascale": "linear", "linear": "linear", "adamscale": "sqrt", "sqrt"
            "none": "none"}
 
 
-def resolve_lr_scaling(spec: str, scaling_rule: Any) -> str:
+def resolve_lr_scaling(spec: str, scaling_rule: ScalingRule | None) -> str:
     """``spec`` itself, or for ``"auto"`` the family of ``scaling_rule`` (``"none"`` without a model)."""
     if spec != "auto":
         return spec
@@ -57,7 +59,7 @@ def resolve_lr_scaling(spec: str, scaling_rule: Any) -> str:
     return _FAMILY.get(getattr(scaling_rule, "name", ""), "linear")
 
 
-def lr_factor_of(step: StepContext | None, scaling_rule: Any) -> float:
+def lr_factor_of(step: StepContext | None, scaling_rule: ScalingRule | None) -> float:
     """The LR factor of ``step`` for its actual size, with ``"auto"`` following ``scaling_rule``; 1 without a step."""
     if step is None:
         return 1.0
@@ -74,8 +76,8 @@ class StepLRFactor:
     def __init__(self, factor: Callable[[], float]) -> None:
         self._factor = factor
         self._optimizer: torch.optim.Optimizer | None = None
-        self._saved: list[Any] | None = None
-        self._handles: list[Any] = []
+        self._saved: list[float | torch.Tensor] | None = None
+        self._handles: list[RemovableHandle] = []
         self.last_factor = 1.0
 
     def attach_around(self, optimizer: torch.optim.Optimizer, attach_inner: Callable[[], None]) -> None:
@@ -94,7 +96,7 @@ class StepLRFactor:
             handle.remove()
         self._handles, self._optimizer = [], None
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self._restore()  # a previous step raised between the hooks
         factor = float(self._factor())
         if not (math.isfinite(factor) and factor >= 0):
@@ -107,7 +109,7 @@ class StepLRFactor:
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
 
-    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self._restore()
 
     def _restore(self) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from adaptive._utils.checks import check_float, check_int
+from adaptive._utils.types import StateDict
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput import PerfParams, fit_perf_params
 
@@ -125,14 +126,14 @@ class ThroughputProfile:
             return None
         return fit_perf_params(**self.to_arrays(), initial=initial)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Plain ints, floats and lists (safe to checkpoint and to JSON)."""
         rows = [list(key) + [entry["updated"]] + [entry[n] for n in _TIMES] + [entry[n + "_count"] for n in _TIMES]
                 for key, entry in sorted(self._entries.items())]
         return {"version": self.version, "max_entries": self._max_entries, "window": self._window,
                 "clock": self._clock, "entries": rows}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict`; keeps this profile's own size limits."""
         fields = read_state("ThroughputProfile", state, self)
         check_fields("ThroughputProfile state", fields, ("max_entries", "window", "clock", "entries"))

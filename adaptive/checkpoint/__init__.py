@@ -5,7 +5,9 @@
 :class:`ShardedState` adds a part every rank writes its shards of) and
 saves all of a job's states together, blocking or in the background; :mod:`.store` writes and verifies
 checkpoint directories (atomic publication, checksums, keep-K); :mod:`.generation` lets only the newest
-incarnation of a job publish (guarantee G6).
+incarnation of a job publish (guarantee G6), and :mod:`.fencing` holds the job's store under the generation
+it took; :mod:`.naming` names the states and ties them to an epoch; :mod:`.handover` moves them between the
+members of a live job in memory.
 """
 
 from adaptive._utils.lazy import lazy_exports

@@ -42,29 +42,35 @@ import json
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+import os
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 
+from adaptive._utils import torch_internals
+from adaptive._utils.types import StateDict
 from adaptive.checkpoint import _disk, _format, _safe_load
 
-Flat = dict[str, Any]
+if TYPE_CHECKING:
+    from adaptive._utils.torch_internals import DcpStorageInfo
+
 
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
     for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+                 "TensorProperties", "MetadataIndex", "StorageMeta")
 }
-_METADATA_CLASSES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_METADATA_CLASSES.update(torch_internals.dcp_metadata_private_globals())  # DCP's private names
 _METADATA_CLASSES[("torch", "Size")] = torch.Size
-_METADATA_CLASSES[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+_STORAGE_INFO = torch_internals.dcp_storage_info_class()  # DCP's record of where an item lies in a file
 
 
 class ShardError(Exception):
@@ -78,9 +84,9 @@ DCP_ERRORS = (Exception, CheckpointException)
 # ----------------------------------------------------------------- flattening
 
 
-def flatten(states: dict[str, Any]) -> Flat:
+def flatten(states: StateDict) -> StateDict:
     """``{state name: nested dict}`` as ``{json path: leaf}``; raises TypeError on a bad leaf."""
-    flat: Flat = {}
+    flat: StateDict = {}
     for path, leaf in _leaves(states, ()):
         if not isinstance(leaf, torch.Tensor):
             _safe_load.validate_value(leaf, _where(path))
@@ -91,7 +97,7 @@ def flatten(states: dict[str, Any]) -> Flat:
     return flat
 
 
-def _leaves(node: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+def _leaves(node: object, path: tuple) -> Iterator[tuple[tuple, object]]:
     if isinstance(node, dict):
         for key, value in node.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
@@ -104,7 +110,7 @@ def _leaves(node: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
         yield path, node
 
 
-def _holds_tensor(node: Any) -> bool:
+def _holds_tensor(node: object) -> bool:
     if isinstance(node, torch.Tensor):
         return True
     if isinstance(node, dict):
@@ -118,7 +124,7 @@ def _where(path: tuple) -> str:
     return "sharded state " + "".join(f"[{key!r}]" for key in path) if path else "a sharded state"
 
 
-def _fill(node: Any, path: tuple, loaded: Flat) -> Any:
+def _fill(node: object, path: tuple, loaded: StateDict) -> object:
     """``node`` with its non-tensor leaves replaced by the loaded values (tensors were filled in place)."""
     if isinstance(node, dict):
         for key in list(node):
@@ -129,7 +135,8 @@ def _fill(node: Any, path: tuple, loaded: Flat) -> Any:
         if isinstance(node, list):
             node[:] = items
             return node
-        return type(node)(items) if type(node) is tuple else type(node)(*items)
+        kind: Callable[..., object] = type(node)  # a named tuple takes its fields one by one
+        return kind(items) if type(node) is tuple else kind(*items)
     if isinstance(node, torch.Tensor):
         return node
     return loaded[json.dumps(path)]
@@ -150,16 +157,17 @@ class _ShardWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.written: set[str] = set()
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         future = super().write_data(plan, planner)
         self.written.update(result.storage_data.relative_path for result in future.wait())
         return future
 
-    def storage_meta(self) -> Any:
+    def storage_meta(self) -> dcp_metadata.StorageMeta | None:
         return dcp_metadata.StorageMeta(checkpoint_id=None, save_id=self.save_id)
 
 
-def write_shards(directory: Path, flat: Flat, group: Any, coordinator: bool) -> list[_format.FileEntry]:
+def write_shards(directory: Path, flat: StateDict, group: dist.ProcessGroup | None,
+                 coordinator: bool) -> list[_format.FileEntry]:
     """Write this rank's shards of ``flat`` into ``directory`` (collective over ``group``).
 
     ``group`` is None without torch.distributed (one process). Returns the
@@ -189,7 +197,7 @@ def write_shards(directory: Path, flat: Flat, group: Any, coordinator: bool) -> 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and nothing else: no other global resolves."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         found = _METADATA_CLASSES.get((module, name))
         if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             found = getattr(torch, name)
@@ -198,7 +206,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def read_metadata(directory: Path, part: _format.ShardedPart) -> Any:
+def read_metadata(directory: Path, part: _format.ShardedPart) -> dcp_metadata.Metadata:
     """Verify and safely unpickle ``.metadata``; check that it refers only to listed files."""
     path = directory / _format.DCP_METADATA
     data = _verified_bytes(path, part, _format.DCP_METADATA)
@@ -210,14 +218,14 @@ def read_metadata(directory: Path, part: _format.ShardedPart) -> Any:
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
         raise ShardError(f"{path} is not DCP checkpoint metadata")
     for index, info in metadata.storage_data.items():
-        entry = part.entry(info.relative_path) if isinstance(info, _StorageInfo) else None
+        entry = part.entry(info.relative_path) if isinstance(info, _STORAGE_INFO) else None
         if entry is None or info.transform_descriptors or not _in_file(info, entry.size):
             raise ShardError(f"{path} has a storage record {index} -> {info} that is not a plain range "
                              "of a file the manifest lists")
     return metadata
 
 
-def _in_file(info: _StorageInfo, size: int) -> bool:
+def _in_file(info: DcpStorageInfo, size: int) -> bool:
     offset, length = info.offset, info.length
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)) \
         and offset + length <= size
@@ -236,17 +244,18 @@ def _verified_bytes(path: Path, part: _format.ShardedPart, name: str) -> bytes:
 class _SafeReader(StorageReader):
     """Serves DCP the verified metadata and, per file, the verified bytes; nothing is unpickled freely."""
 
-    def __init__(self, directory: Path, part: _format.ShardedPart, metadata: Any) -> None:
+    def __init__(self, directory: Path, part: _format.ShardedPart, metadata: dcp_metadata.Metadata) -> None:
         super().__init__()
         self._directory, self._part, self._metadata = directory, part, metadata
 
-    def reset(self, checkpoint_id: Any = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
 
-    def read_metadata(self) -> Any:
+    def read_metadata(self) -> dcp_metadata.Metadata:
         return self._metadata
 
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: object,
+                              **kwargs: object) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -286,11 +295,11 @@ class _SafeReader(StorageReader):
         return done
 
     @property
-    def checkpoint_id(self) -> Any:
+    def checkpoint_id(self) -> str | os.PathLike[str] | None:
         return None
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
 
 
@@ -300,13 +309,13 @@ class _SafePlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.where = "a bytes item"  # set by _SafeReader: the file and item being read
-        self.loaded: Flat = {}
+        self.loaded: StateDict = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.loaded[read_item.dest_index.fqn] = _safe_load.load_item(value, self.where)
 
 
-def read_shards(directory: Path, part: _format.ShardedPart, name: str, target: Any) -> Any:
+def read_shards(directory: Path, part: _format.ShardedPart, name: str, target: StateDict) -> StateDict:
     """Fill ``target`` (the current sharding) with state ``name``'s saved shards; return it.
 
     Local to this process. Raises ShardError on a damaged or hostile file,
@@ -324,7 +333,9 @@ def read_shards(directory: Path, part: _format.ShardedPart, name: str, target: A
         if isinstance(inner, (ShardError, _safe_load.NotLoadable)):
             raise ShardError(str(inner)) from None
         raise ShardError(f"cannot load it from {directory}: {type(inner).__name__}: {inner}") from None
-    return _fill({name: target}, (), planner.loaded)[name]
+    states: StateDict = {name: target}
+    _fill(states, (), planner.loaded)  # fills the dict in place
+    return states[name]
 
 
 def underlying(exc: BaseException) -> BaseException:

@@ -41,7 +41,7 @@ _LENGTH_BYTES = 8
 Path = tuple[Any, ...]
 
 
-def pack(payload: Any) -> torch.Tensor:
+def pack(payload: object) -> torch.Tensor:
     """``payload`` as one 1-D ``uint8`` CPU tensor that :func:`unpack` turns back into an equal object."""
     found: list[tuple[Path, torch.Tensor]] = []
     skeleton = _strip(payload, (), found)
@@ -82,16 +82,16 @@ def unpack(buffer: torch.Tensor, what: str) -> Any:
     return skeleton
 
 
-def _strip(value: Any, path: Path, found: list[tuple[Path, torch.Tensor]]) -> Any:
+def _strip(value: object, path: Path, found: list[tuple[Path, torch.Tensor]]) -> object:
     """``value`` with each plain tensor in its dicts and lists replaced by ``None``, appended to ``found``.
 
     Containers are copied, never changed: ``copy.copy`` of an ``OrderedDict``
     keeps its attributes (``Module.state_dict()`` sets ``_metadata`` on its result).
     """
-    if _packable(value):
+    if isinstance(value, torch.Tensor) and _packable(value):
         found.append((path, value))
         return None
-    if type(value) in (dict, collections.OrderedDict):
+    if isinstance(value, dict) and type(value) in (dict, collections.OrderedDict):
         copied = copy.copy(value)
         for key, item in value.items():
             copied[key] = _strip(item, path + (key,), found)
@@ -109,7 +109,7 @@ _WHOLE_BYTE_DTYPES = frozenset({
 })
 
 
-def _packable(value: Any) -> bool:
+def _packable(value: torch.Tensor) -> bool:
     """Whether ``value`` is a tensor whose bytes alone say it all: a plain dense tensor of a whole-byte dtype,
     with no Python attributes and no ``requires_grad`` to keep."""
     return (type(value) is torch.Tensor and value.layout == torch.strided and not value.is_quantized
@@ -123,7 +123,7 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8)
 
 
-def _tensor_at(buffer: torch.Tensor, start: int, dtype: Any, shape: Any, what: str) -> torch.Tensor:
+def _tensor_at(buffer: torch.Tensor, start: int, dtype: object, shape: object, what: str) -> torch.Tensor:
     """A copy of the tensor of ``dtype`` and ``shape`` whose bytes start at ``start``, checked to lie in ``buffer``."""
     if not isinstance(dtype, torch.dtype) or not isinstance(shape, tuple) or \
             not all(isinstance(size, int) and size >= 0 for size in shape):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -38,16 +39,16 @@ import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from adaptive._utils.types import JSON
 from adaptive.checkpoint.versions import Format
 
 FORMAT_NAME = "adaptive-checkpoint"
 
 
-def _without_sharded_part(body: dict[str, Any]) -> dict[str, Any]:
+def _without_sharded_part(body: JSON) -> JSON:
     """Version 1 -> 2: a version 1 manifest has no sharded part (any ``"sharded"`` key in it means nothing)."""
     return dict(body, sharded=None)
 
@@ -119,7 +120,7 @@ class Manifest:
 
     seq: int
     created: float
-    metadata: dict[str, Any]
+    metadata: JSON
     states: tuple[StateEntry, ...]
     sharded: ShardedPart | None = None
 
@@ -169,7 +170,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return json.dumps(body, indent=1, allow_nan=False).encode("utf-8")
 
 
-def manifest_checksum(body: Mapping[str, Any]) -> str:
+def manifest_checksum(body: Mapping[str, object]) -> str:
     """SHA-256 of the canonical JSON of every manifest field but the checksum."""
     fields = {key: value for key, value in body.items() if key != "checksum"}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -207,14 +208,14 @@ def read_manifest(directory: Path, seq: int) -> Manifest:
     return _parse_manifest_body(MANIFEST_FORMAT.upgrade(body, version), seq)
 
 
-def _safe_checksum(body: dict[str, Any]) -> str | None:
+def _safe_checksum(body: JSON) -> str | None:
     try:
         return manifest_checksum(body)
     except (TypeError, ValueError):
         return None
 
 
-def _parse_manifest_body(body: dict[str, Any], seq: int) -> Manifest:
+def _parse_manifest_body(body: JSON, seq: int) -> Manifest:
     """Type-check the fields of a checksummed manifest, brought to the current format."""
     if body.get("seq") != seq or isinstance(body.get("seq"), bool):
         raise InvalidCheckpoint(
@@ -237,7 +238,7 @@ def _parse_manifest_body(body: dict[str, Any], seq: int) -> Manifest:
     return Manifest(seq=seq, created=float(created), metadata=metadata, states=entries, sharded=sharded)
 
 
-def _parse_sharded(part: Any) -> ShardedPart | None:
+def _parse_sharded(part: object) -> ShardedPart | None:
     """The sharded part of a manifest (None when the checkpoint has none)."""
     if part is None:
         return None
@@ -260,7 +261,7 @@ def _parse_sharded(part: Any) -> ShardedPart | None:
     return ShardedPart(states=tuple(names), files=tuple(files))
 
 
-def _check_record(what: str, size: Any, digest: Any) -> tuple[int, str]:
+def _check_record(what: str, size: object, digest: object) -> tuple[int, str]:
     """``(size, digest)``, checked."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise InvalidCheckpoint(f"{what!r} has a bad size {size!r}")
@@ -269,7 +270,7 @@ def _check_record(what: str, size: Any, digest: Any) -> tuple[int, str]:
     return size, digest
 
 
-def _parse_entry(item: Any) -> StateEntry:
+def _parse_entry(item: object) -> StateEntry:
     if not isinstance(item, dict):
         raise InvalidCheckpoint(f"bad state record {item!r}")
     name, file = item.get("name"), item.get("file")
@@ -301,7 +302,7 @@ def hash_file(path: Path) -> tuple[int, str]:
         return _stream_hash(file, size)
 
 
-def _stream_hash(file: Any, size: int) -> tuple[int, str]:
+def _stream_hash(file: io.RawIOBase, size: int) -> tuple[int, str]:
     sha = hashlib.sha256()
     buffer = memoryview(bytearray(min(_READ_CHUNK, max(size, 1))))
     total = 0

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from adaptive._utils.types import JSON, StateDict
 from adaptive.checkpoint import _format, _safe_load
 
 
@@ -35,7 +36,7 @@ class CheckpointInfo:
     seq: int
     path: Path
     created: float
-    metadata: dict[str, Any]
+    metadata: JSON
     size: int
 
 
@@ -108,7 +109,7 @@ class Checkpoint:
         """Names of the states whose sharded part this checkpoint holds."""
         return [] if self._sharded is None else list(self._sharded.states)
 
-    def read_sharded(self, name: str, target: Any) -> Any:
+    def read_sharded(self, name: str, target: StateDict) -> StateDict:
         """Fill ``target`` with the saved shards of sharded state ``name``; return it.
 
         ``target`` is a nested dict shaped like what ``sharded_state_dict()``

@@ -17,9 +17,11 @@ import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+
+from adaptive._utils.types import JSON
 
 # bytes are deliberately absent: torch pickles b"" through a global that
 # weights-only loading refuses. Store binary blobs as uint8 tensors instead.
@@ -36,7 +38,7 @@ class NotLoadable(Exception):
     """A state file's content was refused or could not be deserialised (the message says which)."""
 
 
-def validate_states(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
+def validate_states(states: Mapping[str, object]) -> list[tuple[str, object]]:
     """Check ``states`` maps str names to weights-only-loadable values; return its items."""
     if not isinstance(states, Mapping):
         raise TypeError(
@@ -50,7 +52,7 @@ def validate_states(states: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return items
 
 
-def validate_value(value: Any, where: str) -> None:
+def validate_value(value: object, where: str) -> None:
     """Walk ``value`` and raise TypeError at the first unsupported object.
 
     The allowed set is a subset of what ``torch.load(weights_only=True)``
@@ -85,11 +87,11 @@ def validate_value(value: Any, where: str) -> None:
             for key, item in obj.items():
                 stack.append((key, f"{path} key {key!r}"))
                 stack.append((item, f"{path}[{key!r}]"))
-        else:
+        elif isinstance(obj, (list, tuple, set)):  # the other containers
             stack.extend((item, f"{path}[{index}]") for index, item in enumerate(obj))
 
 
-def validate_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def validate_metadata(metadata: Mapping[str, object] | None) -> JSON:
     """Return a JSON round-tripped copy of ``metadata`` (or {}).
 
     Raises:
@@ -121,7 +123,7 @@ def deserialise(data: bytes, name: str, path: Path) -> Any:
     return load_item(io.BytesIO(data), f"state {name!r} from {path}")
 
 
-def load_item(stream: Any, what: str) -> Any:
+def load_item(stream: IO[bytes], what: str) -> Any:
     """Weights-only ``torch.load`` of one serialised object (a state, a DCP item); ``what`` names it in errors."""
     try:
         return torch.load(stream, weights_only=True, map_location="cpu")

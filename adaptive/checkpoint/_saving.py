@@ -37,10 +37,11 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Callable, NoReturn, Protocol, Sequence, TypeVar
 
 import torch.distributed as dist
 
+from adaptive._utils.types import JSON, StateDict
 from adaptive.checkpoint import _format, _safe_load
 from adaptive.checkpoint.generation import StaleGenerationError
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore, Reservation
@@ -49,6 +50,26 @@ from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.observe import metrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SavedState(Protocol):
+    """A registered state as a save reads it (a :class:`~adaptive.checkpoint.states.State`)."""
+
+    @property
+    def name(self) -> str:
+        """Its name in the checkpoint."""
+
+    def state_dict(self) -> object:
+        """Its content (rank 0 writes it)."""
+
+
+class SavedShardedState(SavedState, Protocol):
+    """A state with a sharded part (a :class:`~adaptive.checkpoint.states.ShardedState`)."""
+
+    def sharded_state_dict(self) -> StateDict:
+        """This rank's shards (every rank writes its own)."""
 
 
 @dataclasses.dataclass
@@ -73,10 +94,10 @@ class _Save:
     temp: Path
     reservation: Reservation | None  # rank 0 only
     store: CheckpointStore
-    flat: dict[str, Any] | None  # this rank's flattened sharded states, None without any
+    flat: StateDict | None  # this rank's flattened sharded states, None without any
     sharded: tuple[str, ...]
-    small: dict[str, Any] | None  # rank 0: every state's state_dict()
-    info: dict[str, Any] | None  # rank 0: the manifest metadata
+    small: dict[str, object] | None  # rank 0: every state's state_dict()
+    info: JSON | None  # rank 0: the manifest metadata
     started: float  # monotonic, when save_all_states was called
     blocked: float = 0.0  # seconds the caller was blocked (asynchronous saves)
 
@@ -84,7 +105,7 @@ class _Save:
 class _Pending:
     """The save running in the background thread."""
 
-    def __init__(self, save: _Save, group: Any) -> None:
+    def __init__(self, save: _Save, group: dist.ProcessGroup | None) -> None:
         self.seq = save.seq
         self.result: int | None = None
         self.error: str | None = None
@@ -93,7 +114,7 @@ class _Pending:
         self.thread = threading.Thread(target=self._run, args=(save, group), name=f"adaptive-save-{save.seq}",
                                        daemon=True)
 
-    def _run(self, save: _Save, group: Any) -> None:
+    def _run(self, save: _Save, group: dist.ProcessGroup | None) -> None:
         try:
             self.result = _write(save, group)
         except BaseException as error:  # reported, never raised: the training goes on
@@ -109,14 +130,14 @@ class _Pending:
                 logger.debug("asynchronous checkpoint %d failed: %s", save.seq, self.error)
 
 
-def save(states: list[Any], sharded: list[Any], store: CheckpointStore, info: Callable[[], dict[str, Any]],
-         *, blocking: bool) -> int:
+def save(states: Sequence[SavedState], sharded: Sequence[SavedShardedState], store: CheckpointStore,
+         info: Callable[[], JSON], *, blocking: bool) -> int:
     """Steps 1-3 above; returns the sequence number (reserved, not yet published, if not ``blocking``)."""
     started = time.monotonic()
     rank0 = env.rank() == 0
     reservation: Reservation | None = None
     # Rank 0's (seq, temporary directory, None), or (None, None, the failure); broadcast to every rank.
-    outcome: tuple[int | None, str | None, str | dict[str, Any] | None] = (None, None, None)
+    outcome: tuple[int | None, str | None, str | JSON | None] = (None, None, None)
     if rank0:
         try:
             reservation = store.reserve(sharded=bool(sharded))
@@ -159,8 +180,8 @@ def save(states: list[Any], sharded: list[Any], store: CheckpointStore, info: Ca
     return seq
 
 
-def _prepare(job: _Save, states: list[Any], sharded: list[Any], info: Callable[[], dict[str, Any]],
-             staged: bool) -> None:
+def _prepare(job: _Save, states: Sequence[SavedState], sharded: Sequence[SavedShardedState],
+             info: Callable[[], JSON], staged: bool) -> None:
     """Step 2 on this rank: collect (and for the background, copy) what will be written."""
     from adaptive.checkpoint import _dcp_io, _staging  # DCP and DTensor: imported by the first such save
 
@@ -175,7 +196,7 @@ def _prepare(job: _Save, states: list[Any], sharded: list[Any], info: Callable[[
         job.info = info()
 
 
-def _write(job: _Save, group: Any) -> int:
+def _write(job: _Save, group: dist.ProcessGroup | None) -> int:
     """Step 3 on this rank (collective over ``group``); returns the sequence number or raises CheckpointError."""
     from adaptive.checkpoint import _dcp_io
 
@@ -189,7 +210,7 @@ def _write(job: _Save, group: Any) -> int:
         inner = _dcp_io.underlying(error)
         problem = f"rank {env.rank()}: {type(inner).__name__}: {inner}"
     job.flat = None  # the staged copy is not needed any more
-    outcome: tuple[int | None, Any] = (None, None)
+    outcome: tuple[int | None, str | JSON | None] = (None, None)
     try:
         gathered = _allgather(group, (records, problem))
         if job.reservation is not None:
@@ -201,10 +222,12 @@ def _write(job: _Save, group: Any) -> int:
         raise CheckpointError(f"checkpoint {job.seq} not saved: {error}") from error
     if failed is not None:
         raise_failure(failed)
+    assert seq is not None, "no failure: rank 0 published"
     return seq
 
 
-def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]) -> tuple[int | None, Any]:
+def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | None]]
+             ) -> tuple[int | None, str | JSON | None]:
     """Rank 0: publish the checkpoint if every rank wrote its shards; (seq, None) or (None, the failure)."""
     assert job.reservation is not None, "called on rank 0, which holds the reservation"
     assert job.small is not None and job.info is not None, "rank 0 prepared them"
@@ -224,7 +247,7 @@ def _publish(job: _Save, gathered: list[tuple[list[_format.FileEntry], str | Non
     return saved.seq, None
 
 
-def failure(error: BaseException, context: str = "checkpoint not saved") -> str | dict[str, Any]:
+def failure(error: BaseException, context: str = "checkpoint not saved") -> str | JSON:
     """How rank 0 tells the other ranks that a save failed: plain text, or the fields of a stale generation.
 
     Logged here as an error, except a stale generation, whose agreed stop says it once per rank.
@@ -236,14 +259,14 @@ def failure(error: BaseException, context: str = "checkpoint not saved") -> str 
     return f"{type(error).__name__}: {error}"
 
 
-def raise_failure(failure: str | dict[str, Any]) -> NoReturn:
+def raise_failure(failure: str | JSON) -> NoReturn:
     """Raise on any rank what :func:`failure` described: :class:`StaleGenerationError` or :class:`CheckpointError`."""
     if isinstance(failure, dict):
         raise StaleGenerationError.from_fields(failure["stale"])
     raise CheckpointError(failure)
 
 
-def report_saved(seq: int, size: int, seconds: float, info: dict[str, Any], blocked: float | None = None) -> None:
+def report_saved(seq: int, size: int, seconds: float, info: JSON, blocked: float | None = None) -> None:
     """Rank 0's INFO line and metrics event for a saved checkpoint (``blocked``: an asynchronous save)."""
     how = "" if blocked is None else f"; in the background, training blocked {blocked:.2f} s"
     logger.info("checkpoint %d saved (%s, %.1f MB in %.2f s%s)", seq, info.get("reason", "requested"),
@@ -304,7 +327,7 @@ def _wait_at_exit(job: Job) -> None:
         logger.debug("waiting for the asynchronous checkpoint at exit failed", exc_info=True)
 
 
-def _background_group() -> Any:
+def _background_group() -> dist.ProcessGroup | None:
     """The gloo group of background saves (created collectively at the first one); None with one process."""
     session = _session()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -318,10 +341,10 @@ def _background_group() -> Any:
     return session.save_group
 
 
-def _allgather(group: Any, obj: Any) -> list[Any]:
+def _allgather(group: dist.ProcessGroup | None, obj: T) -> list[T]:
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
+    out = [obj] * dist.get_world_size(group)  # every entry is replaced by the rank's object
     try:
         dist.all_gather_object(out, obj, group=group)
     except (RuntimeError, dist.DistError) as error:
@@ -330,7 +353,7 @@ def _allgather(group: Any, obj: Any) -> list[Any]:
     return out
 
 
-def _broadcast(group: Any, obj: Any) -> Any:
+def _broadcast(group: dist.ProcessGroup | None, obj: T) -> T:
     if group is None or dist.get_world_size(group) == 1:
         return obj
     box = [obj]

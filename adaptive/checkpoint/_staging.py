@@ -23,19 +23,21 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from adaptive._utils import torch_internals
+from adaptive._utils.types import StateDict
 
-def stage_states(states: dict[str, Any]) -> dict[str, Any]:
+
+def stage_states(states: dict[str, object]) -> dict[str, object]:
     """A CPU copy of ``states`` (already validated) that no later training step can change."""
     memo: dict[tuple, torch.UntypedStorage] = {}
     return {name: _copy(value, memo) for name, value in states.items()}
 
 
-def _copy(value: Any, memo: dict[tuple, torch.UntypedStorage]) -> Any:
+def _copy(value: object, memo: dict[tuple, torch.UntypedStorage]) -> object:
     if isinstance(value, torch.Tensor):
         return _copy_tensor(value, memo)
     if isinstance(value, dict):
@@ -71,17 +73,17 @@ def _copy_tensor(tensor: torch.Tensor, memo: dict[tuple, torch.UntypedStorage]) 
     return copied
 
 
-def stage_flat(flat: dict[str, Any]) -> dict[str, Any]:
+def stage_flat(flat: StateDict) -> StateDict:
     """A CPU copy of a flattened sharded state (see :func:`adaptive.checkpoint._dcp_io.flatten`)."""
     return {key: _stage_leaf(value) for key, value in flat.items()}
 
 
-def _stage_leaf(value: Any) -> Any:
+def _stage_leaf(value: object) -> object:
     if isinstance(value, DTensor):
         # Not DTensor.from_local: it would move a CPU shard back to a GPU mesh's device, and its autograd
         # function costs ~0.2 ms per tensor. DCP's own staging builds CPU DTensors with the constructor too;
         # DCP's save planner reads only the spec (global shape, mesh, placements) and the local shard.
-        return DTensor(_cpu_copy(value.to_local()), value._spec, requires_grad=False)
+        return torch_internals.dtensor_like(_cpu_copy(value.to_local()), value)
     if isinstance(value, torch.Tensor):
         return _cpu_copy(value)
     return copy.deepcopy(value)

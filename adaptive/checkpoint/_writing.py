@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import torch
 
 from adaptive.checkpoint import _disk
 from adaptive.checkpoint._format import MANIFEST_NAME, StateEntry
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 WRITE_BUFFER = 1 << 20  # batches torch's many small header writes
 _NAME_STEM_LEN = 48
@@ -39,7 +42,7 @@ class HashingWriter:
         self.size = 0
         self.error: BaseException | None = None
 
-    def write(self, data: Any) -> int:
+    def write(self, data: ReadableBuffer) -> int:
         try:
             view = memoryview(data)
             self._sha.update(view)
@@ -61,7 +64,7 @@ class HashingWriter:
         return self._sha.hexdigest()
 
 
-def write_state(directory: Path, index: int, name: str, value: Any) -> StateEntry:
+def write_state(directory: Path, index: int, name: str, value: object) -> StateEntry:
     """Serialise one state into ``directory`` durably; return its manifest record."""
     file_name = state_file_name(index, name)
     with open(directory / file_name, "xb", buffering=WRITE_BUFFER) as file:

@@ -40,9 +40,9 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from adaptive._utils.files import fsync_dir, read_json, write_json_atomic
+from adaptive._utils.types import JSON
 from adaptive.checkpoint._reading import CheckpointError
 
 __all__ = ["Generation", "GenerationRecord", "StaleGenerationError", "GENERATION_FILE", "LOCK_FILE",
@@ -85,13 +85,13 @@ class StaleGenerationError(CheckpointError):
             "launched twice). This one publishes no checkpoint and stops; the newer one goes on from the "
             "newest checkpoint")
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> JSON:
         """Plain values that rebuild this error on another rank (:meth:`from_fields`)."""
         newest = None if self.newest is None else dataclasses.asdict(self.newest)
         return {"root": self.root, "mine": self.mine, "newest": newest}
 
     @classmethod
-    def from_fields(cls, fields: dict[str, Any]) -> "StaleGenerationError":
+    def from_fields(cls, fields: JSON) -> "StaleGenerationError":
         newest = fields.get("newest")
         return cls(fields["root"], fields["mine"], None if newest is None else GenerationRecord(**newest))
 

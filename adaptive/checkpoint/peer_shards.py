@@ -37,11 +37,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any
+from typing import Callable, Iterator, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from adaptive._utils.types import StateDict
 from adaptive.runtime import collectives, env
 
 __all__ = ["gather_full", "fill_from_rank0", "copy_local", "gather_from_snapshots", "ShardsLost"]
@@ -57,7 +58,7 @@ class _Sharded:
     dtype: torch.dtype
 
 
-def gather_full(state_dict: Any, dst: int) -> Any:
+def gather_full(state_dict: StateDict, dst: int) -> StateDict | None:
     """``state_dict`` with every tensor whole and on the CPU, on rank ``dst`` of the current group; None elsewhere.
 
     Collective on the current (old) group: each DTensor is all-gathered in
@@ -65,7 +66,7 @@ def gather_full(state_dict: Any, dst: int) -> Any:
     """
     keep = env.rank() == dst
 
-    def leaf(value: Any) -> Any:
+    def leaf(value: object) -> object:
         if isinstance(value, DTensor):
             whole = value.full_tensor()
             return whole.cpu() if keep else None
@@ -77,9 +78,9 @@ def gather_full(state_dict: Any, dst: int) -> Any:
     return gathered if keep else None
 
 
-def _layout(full: Any) -> Any:
+def _layout(full: StateDict) -> StateDict:
     """``full`` with each tensor that is sharded in ``target`` replaced by its shape and dtype."""
-    def leaf(value: Any) -> Any:
+    def leaf(value: object) -> object:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return _Sharded(tuple(value.shape), value.dtype)
         return value  # scalars (an optimizer's step) and plain values travel with the layout
@@ -87,7 +88,7 @@ def _layout(full: Any) -> Any:
     return _map_leaves(full, leaf)
 
 
-def fill_from_rank0(target: Any, full: Any) -> Any:
+def fill_from_rank0(target: StateDict, full: StateDict | None) -> StateDict:
     """``target`` (this rank's new sharding) filled from rank 0's ``full`` copy; collective on the new group.
 
     Args:
@@ -101,31 +102,32 @@ def fill_from_rank0(target: Any, full: Any) -> Any:
         ``target``'s structure with rank 0's values: DTensors in this
         rank's sharding, plain tensors on their target's device.
     """
-    layout = collectives.broadcast_object(_layout(full) if env.rank() == 0 else None)
+    layout = collectives.broadcast_object(_layout(full) if env.rank() == 0 and full is not None else None)
     sent = [0]
 
-    def visit(spec: Any, aim: Any, source: Any) -> Any:
+    def visit(spec: object, aim: object, source: object) -> object:
+        # ``source`` (rank 0's full copy; None elsewhere) has the structure of ``spec``, built from it.
         if isinstance(spec, dict):
             by_key = aim if isinstance(aim, dict) else {}
-            return {key: visit(item, by_key.get(key), None if source is None else source[key])
+            return {key: visit(item, by_key.get(key), source[key] if isinstance(source, dict) else None)
                     for key, item in spec.items()}
         if isinstance(spec, (list, tuple)):
             by_index = aim if isinstance(aim, (list, tuple)) and len(aim) == len(spec) else [None] * len(spec)
-            return type(spec)(visit(item, by_index[i], None if source is None else source[i])
+            return type(spec)(visit(item, by_index[i], source[i] if isinstance(source, (list, tuple)) else None)
                               for i, item in enumerate(spec))
         if isinstance(spec, _Sharded):
             sent[0] += 1
-            return _scatter(spec, aim, source)
+            return _scatter(spec, aim, source if isinstance(source, torch.Tensor) else None)
         if isinstance(spec, torch.Tensor) and isinstance(aim, torch.Tensor) and not isinstance(aim, DTensor):
             return spec.to(aim.device)
         return spec
 
-    filled = visit(layout, target, full)
+    filled = cast(StateDict, visit(layout, target, full))  # a dict: ``layout`` is one
     logger.debug("filled %d sharded tensors from rank 0", sent[0])
     return filled
 
 
-def _scatter(spec: _Sharded, aim: Any, source: torch.Tensor | None) -> torch.Tensor:
+def _scatter(spec: _Sharded, aim: object, source: torch.Tensor | None) -> torch.Tensor:
     """Rank 0's whole tensor, in ``aim``'s sharding (a DTensor) or whole (a plain tensor target)."""
     if isinstance(aim, DTensor):
         device = aim.to_local().device
@@ -158,13 +160,13 @@ class _LocalShard:
     count: int
 
 
-def copy_local(state_dict: Any) -> Any:
+def copy_local(state_dict: StateDict) -> StateDict:
     """``state_dict`` with each DTensor replaced by a host copy of this rank's shard (no communication).
 
     Plain tensors are copied too, other values deep-copied, so the snapshot
     does not change when training goes on.
     """
-    def leaf(value: Any) -> Any:
+    def leaf(value: object) -> object:
         if isinstance(value, DTensor):
             index, count = _shard_position(value)
             return _LocalShard(value.to_local().detach().to("cpu", copy=True), tuple(value.shape), index, count)
@@ -175,12 +177,17 @@ def copy_local(state_dict: Any) -> Any:
     return _map_leaves(state_dict, leaf)
 
 
-def _map_leaves(value: Any, leaf: Any) -> Any:
+def _map_leaves(state: StateDict, leaf: Callable[[object], object]) -> StateDict:
+    """``state`` with ``leaf`` applied to every value below it that is not a dict, list or tuple, in walk order."""
+    return {key: _map_value(item, leaf) for key, item in state.items()}
+
+
+def _map_value(value: object, leaf: Callable[[object], object]) -> object:
     """``value`` (nested dicts, lists and tuples) with ``leaf`` applied to everything else, in walk order."""
     if isinstance(value, dict):
-        return {key: _map_leaves(item, leaf) for key, item in value.items()}
+        return {key: _map_value(item, leaf) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_leaves(item, leaf) for item in value)
+        return type(value)(_map_value(item, leaf) for item in value)
     return leaf(value)
 
 
@@ -195,14 +202,14 @@ def _shard_position(value: DTensor) -> tuple[int | None, int]:
     return mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
 
 
-def _local_shards(snapshot: Any) -> list[_LocalShard]:
+def _local_shards(snapshot: StateDict) -> list[_LocalShard]:
     """The :class:`_LocalShard` leaves of ``snapshot``, in the order of :func:`_map_leaves`'s walk."""
     found: list[_LocalShard] = []
     _map_leaves(snapshot, lambda value: found.append(value) if isinstance(value, _LocalShard) else None)
     return found
 
 
-def gather_from_snapshots(snapshot: Any, dst: int = 0) -> Any:
+def gather_from_snapshots(snapshot: StateDict, dst: int = 0) -> StateDict | None:
     """The whole state on rank ``dst`` of the current group from every member's :func:`copy_local` snapshot.
 
     Collective on the group the members that are left formed.  Every member
@@ -257,7 +264,8 @@ def _in_order(dtypes: set[torch.dtype]) -> list[torch.dtype]:
     return sorted(dtypes, key=str)
 
 
-def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int, group: Any) -> list[torch.Tensor]:
+def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int,
+             group: torch.distributed.ProcessGroup | None) -> list[torch.Tensor]:
     """``holder``'s local shards, one message per dtype, split back into tensors of ``shapes``."""
     tensors: list[torch.Tensor | None] = [None] * len(shapes)
     for dtype in _in_order({dtype for _, dtype in shapes}):
@@ -270,9 +278,9 @@ def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int, gro
     return [tensor for tensor in tensors if tensor is not None]
 
 
-def _join(snapshot: Any, by_shard: list[list[torch.Tensor]], order: Any) -> Any:
+def _join(snapshot: StateDict, by_shard: list[list[torch.Tensor]], order: Iterator[int]) -> StateDict:
     """``snapshot`` with each local shard replaced by the whole tensor joined from every shard's copy."""
-    def leaf(value: Any) -> Any:
+    def leaf(value: object) -> object:
         if not isinstance(value, _LocalShard):
             return value
         i = next(order)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from adaptive._utils.types import JSON, StateDict
 from adaptive.checkpoint import _flat_state, peer_shards
 from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo
 from adaptive.runtime import collectives, membership
@@ -43,7 +43,7 @@ FROM_PEERS = Path("<peers>")
 class PeerCheckpoint(Checkpoint):
     """The states rank 0 sent, in memory, read like a checkpoint; sharded parts are scattered by rank 0."""
 
-    def __init__(self, info: CheckpointInfo, contents: dict[str, Any], sharded: list[str] | None = None) -> None:
+    def __init__(self, info: CheckpointInfo, contents: dict[str, object], sharded: list[str] | None = None) -> None:
         super().__init__(info, ())
         self._contents = contents
         self._sent_sharded = list(sharded or [])
@@ -57,7 +57,7 @@ class PeerCheckpoint(Checkpoint):
     def __contains__(self, name: object) -> bool:
         return name in self._contents
 
-    def load(self, name: str) -> Any:
+    def load(self, name: str) -> object:
         if name not in self._contents:
             raise KeyError(f"the state sent by the running members has no state named {name!r}; it has: "
                            f"{', '.join(map(repr, self._contents)) or 'none'}")
@@ -66,14 +66,14 @@ class PeerCheckpoint(Checkpoint):
     def sharded_names(self) -> list[str]:
         return list(self._sent_sharded)
 
-    def read_sharded(self, name: str, target: Any) -> Any:
+    def read_sharded(self, name: str, target: StateDict) -> StateDict:
         """``target`` filled from rank 0's full copy; collective: the members reshard the same state meanwhile."""
         if name not in self._sent_sharded:
             raise CheckpointError(f"state {name!r} has no sharded part among those the running members send")
         return peer_shards.fill_from_rank0(target, None)
 
 
-def send_states(contents: dict[str, Any], seq: int, metadata: dict[str, Any], sharded: list[str] | None = None) -> int:
+def send_states(contents: dict[str, object], seq: int, metadata: JSON, sharded: list[str] | None = None) -> int:
     """On the new rank 0: send ``contents`` (state name -> state dict) to the joiners; the bytes sent.
 
     ``sharded`` names the states whose sharded part the members reshard

@@ -22,17 +22,14 @@ Rules that keep restarts exact:
   during a save leaves the previous checkpoint as the newest complete one.
 
 States of objects created inside an epoch of ``remaining_epochs_until``
-(accumulators and loaders built in a ``train()`` called every epoch) belong
-to that epoch: their default names count creations within the epoch, their
-checkpoint names carry the epoch, and they leave the checkpoint when the
-epoch ends.  A replay of the epoch creates them in the same order and finds
-them again; another epoch's objects never pick them up.
+belong to that epoch and leave the checkpoint when it ends; see
+:mod:`adaptive.checkpoint.naming`.
 
 A job is *resuming* exactly when a complete checkpoint exists; see
-:func:`resumed_checkpoint`. Before rank 0 looks for that checkpoint it takes
-the job's next generation in the checkpoint folder (guarantee G6, see
-:mod:`adaptive.checkpoint.generation`); its store publishes only while that
-generation is the newest.
+:func:`resumed_checkpoint`. The store it resumes from and saves to is held
+under this incarnation's generation of the checkpoint folder (guarantee G6,
+see :mod:`adaptive.checkpoint.fencing`).  In live mode the states move
+between members in memory instead (:mod:`adaptive.checkpoint.handover`).
 
 A :class:`ShardedState` (a model and optimizer sharded with FSDP2) adds a
 sharded part that every rank writes its own shards of, through
@@ -45,20 +42,17 @@ states block the training loop; see :mod:`adaptive.checkpoint._saving`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
 from adaptive._utils.checks import check_bool
-from adaptive.checkpoint import _saving, peer_shards, peer_state
+from adaptive.checkpoint import _saving, fencing, peer_shards
 from adaptive.runtime import collectives, membership
 from adaptive.runtime import env
 from adaptive.observe import metrics
-from adaptive.checkpoint.generation import Generation, StaleGenerationError, newest_generation
-from adaptive.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
-from adaptive.runtime import launch_status
+from adaptive.checkpoint.store import Checkpoint, CheckpointError
 from adaptive.checkpoint._safe_load import validate_metadata as _validate_metadata
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import stream
@@ -73,11 +67,6 @@ __all__ = [
     "resumed_checkpoint",
     "resume_from",
     "registered_states",
-    "share_with_joiners",
-    "sharded_states",
-    "snapshot_sharded_states",
-    "recover_sharded_states",
-    "renew_generation",
     "CheckpointError",
 ]
 
@@ -89,19 +78,11 @@ class CheckpointSession:
     """The checkpoint side of the job: its record on the job context (:mod:`adaptive.runtime.job`)."""
 
     registry: dict[str, State] = dataclasses.field(default_factory=dict)  # name -> State, in creation order
-    store: CheckpointStore | None = None
-    store_root: str | None = None
-    generation: Generation | None = None  # rank 0: the Generation this incarnation took in store_root
-    generation_checked_at: float | None = None  # monotonic, when rank 0 last read the newest generation
-    stale: StaleGenerationError | None = None  # rank 0: the error once a newer generation was seen
     resumed: Checkpoint | None = None  # the checkpoint this process resumed from
     resumed_looked_up: bool = False
     last_save_time: float | None = None  # monotonic
     save_count: int = 0
     steps_at_save: int = 0  # committed loader steps when this process last took part in a save
-    epoch_scope: int | None = None  # the epoch in progress, owner of the states created now
-    # (kind, epoch scope) -> objects of that kind created so far in that scope
-    name_counts: collections.Counter[tuple[str, int | None]] = dataclasses.field(default_factory=collections.Counter)
 
 
 def _session() -> CheckpointSession:
@@ -241,108 +222,14 @@ class ShardedState(State):
         """Live mode: this rank's shards copied to host memory, to go back to after a lost member.
 
         See :func:`adaptive.checkpoint.peer_shards.copy_local`; after the loss
-        :func:`recover_sharded_states` joins the members' copies.
+        :func:`adaptive.checkpoint.handover.recover_sharded_states` joins the members' copies.
         """
         return peer_shards.copy_local(self.sharded_state_dict())
-
-
-def epoch_scope() -> int | None:
-    """The epoch whose objects are being created now (None outside ``remaining_epochs_until``)."""
-    return _session().epoch_scope
-
-
-def default_name(kind: str) -> str:
-    """The default name of the next ``kind`` object (an accumulator, a loader).
-
-    Its creation order among the ``kind`` objects created in the same epoch
-    (``"e3.0"``, ``"e3.1"``, ...), or outside epochs (``"0"``, ``"1"``, ...):
-    the same object gets the same name when a restart replays its code.
-    """
-    session = _session()
-    key = (kind, session.epoch_scope)
-    count = session.name_counts[key]
-    session.name_counts[key] += 1
-    return str(count) if session.epoch_scope is None else f"e{session.epoch_scope}.{count}"
-
-
-def begin_epoch(epoch: int) -> None:
-    """Objects created from now on belong to ``epoch`` (called by ``remaining_epochs_until``)."""
-    session = _session()
-    session.epoch_scope = epoch
-    for key in [key for key in session.name_counts if key[1] == epoch]:
-        del session.name_counts[key]
-
-
-def end_epoch() -> None:
-    """The epoch is over: its objects leave the checkpoint, and objects are global again."""
-    session = _session()
-    if session.epoch_scope is not None:
-        for name in [name for name, state in session.registry.items() if state.scope == session.epoch_scope]:
-            del session.registry[name]
-    session.epoch_scope = None
 
 
 def registered_states() -> list[State]:
     """The states that the next checkpoint will contain, in creation order."""
     return list(_session().registry.values())
-
-
-#: Seconds between rank 0's reads of the newest generation (:func:`stale_generation`).
-GENERATION_CHECK_INTERVAL = 1.0
-
-
-def _checkpoint_store() -> CheckpointStore:
-    """The job's store; on rank 0 it holds this incarnation's generation, taken on first use."""
-    root = env.checkpoint_path()
-    session = _session()
-    if session.store is None or session.store_root != root:
-        session.generation = _take_generation(root) if env.rank() == 0 else None
-        session.generation_checked_at, session.stale = time.monotonic(), None
-        session.store = CheckpointStore(root, keep=env.checkpoint_keep(), generation=session.generation)
-        session.store_root = root
-    return session.store
-
-
-def _take_generation(root: str) -> Generation:
-    """Rank 0 takes this incarnation's generation, unless its launcher's incarnation was already fenced.
-
-    A torchrun restart round of a fenced incarnation must not take over from
-    the incarnation that fenced it: adaptive-run ends such an incarnation, and
-    a round that starts before it does refuses here.
-    """
-    fenced = launch_status.stale_report()
-    if fenced is not None:
-        raise StaleGenerationError(root, int(fenced.get("generation") or 0), newest_generation(root))
-    taken = Generation.take(root)
-    logger.debug("this incarnation is generation %d of the job's checkpoint folder %s", taken.number, root)
-    return taken
-
-
-def generation() -> Generation | None:
-    """The generation this incarnation took (rank 0, once the store was used; None elsewhere)."""
-    return _session().generation
-
-
-def stale_generation(now: float | None = None) -> StaleGenerationError | None:
-    """On rank 0: the error to stop with once a newer generation took over (None while this one is newest).
-
-    Reads the newest generation at most every :data:`GENERATION_CHECK_INTERVAL`
-    seconds; other ranks, and a job that has not used its store yet, get None.
-    """
-    session = _session()
-    if session.generation is None:
-        return None
-    if session.stale is None:
-        now = time.monotonic() if now is None else now
-        if session.generation_checked_at is None or now - session.generation_checked_at >= GENERATION_CHECK_INTERVAL:
-            session.generation_checked_at = now
-            try:
-                session.generation.check()
-            except StaleGenerationError as error:
-                session.stale = error
-            except CheckpointError as error:  # unreadable record: the next publication decides
-                logger.warning("could not check this incarnation's generation: %s", error)
-    return session.stale
 
 
 def resumed_checkpoint() -> Checkpoint | None:
@@ -360,12 +247,13 @@ def resumed_checkpoint() -> Checkpoint | None:
         collectives.init_process_group()  # forms the live job, or finds it running (a no-op once the script did)
         if membership.is_awaiting_admission():
             return None  # restored when admitted (adaptive.checkpoint.admission), not from disk
-    store = _checkpoint_store()
+    store = fencing.checkpoint_store()
+    generation = fencing.generation()
     resumed = session.resumed = store.latest()
     session.resumed_looked_up = True
     meta = {} if resumed is None else dict(resumed.info.metadata or {})
     metrics.MetricsWriter().event("start", replicas=env.num_replicas(), nodes=env.num_nodes(),
-                                  generation=None if session.generation is None else session.generation.number,
+                                  generation=None if generation is None else generation.number,
                                   resumed=None if resumed is None else resumed.info.seq,
                                   epoch=meta.get("epoch"), step=meta.get("step"), loader=meta.get("loader"),
                                   loader_steps=meta.get("loader_steps"), replicas_before=meta.get("replicas"))
@@ -376,7 +264,7 @@ def resumed_checkpoint() -> Checkpoint | None:
             "now %d replicas)",
             resumed.info.seq,
             store.root,
-            "?" if session.generation is None else session.generation.number,
+            "?" if generation is None else generation.number,
             meta.get("epoch"),
             meta.get("step"),
             meta.get("replicas"),
@@ -484,7 +372,7 @@ def save_all_states(metadata: dict[str, Any] | None = None, *, blocking: bool = 
         )
     session = _session()
     try:
-        return _saving.save(states, sharded, _checkpoint_store(), lambda: _manifest_info(states, metadata),
+        return _saving.save(states, sharded, fencing.checkpoint_store(), lambda: manifest_info(states, metadata),
                             blocking=blocking)
     finally:
         session.save_count += 1
@@ -520,90 +408,19 @@ def periodic_saves_asynchronous() -> bool:
     return setting
 
 
-def _manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict[str, Any]:
+def manifest_info(states: list[State], metadata: dict[str, Any] | None) -> dict[str, Any]:
     """The manifest metadata: the caller's, the job's shape, the loaders' steps, the state versions and the
-    writer's generation."""
+    writer's generation (also what :mod:`adaptive.checkpoint.handover` sends the joiners)."""
     info = dict(metadata or {})
     info.setdefault("replicas", env.num_replicas())
     info.setdefault("nodes", env.num_nodes())
     info.setdefault("loader_steps", dict(entry for entry in (state.manifest_step() for state in states)
                                          if entry is not None))
     info["state_versions"] = {state.name: state.version for state in states}
-    generation = _session().generation
+    generation = fencing.generation()
     if generation is not None:  # which incarnation wrote it (rank 0 builds the manifest)
         info["generation"] = generation.number
     return info
-
-
-def share_with_joiners(metadata: dict[str, Any]) -> None:
-    """After a live regroup that admitted joiners: rank 0 sends every state, as a checkpoint would hold it.
-
-    Collective on the new generation; the joiners receive in
-    :func:`resumed_checkpoint`.  Every state's ``sync()`` ran on the old
-    generation, before the regroup.  ``metadata`` describes the position
-    (as a checkpoint's manifest does).
-    """
-    if env.rank() != 0:
-        peer_state.pass_states()
-        return
-    states = registered_states()
-    info = _manifest_info(states, dict(metadata, steps_since_save=stream().steps_committed - _session().steps_at_save))
-    sent = peer_state.send_states({state.name: state.state_dict() for state in states}, resumed_seq(), info,
-                                  [state.name for state in sharded_states()])
-    logger.debug("sent %d states (%.1f MB) to the joiners", len(states), sent / 1e6)
-
-
-def sharded_states() -> list[ShardedState]:
-    """The registered states with a sharded part, in registration order (the order of their collectives)."""
-    return [state for state in registered_states() if isinstance(state, ShardedState)]
-
-
-def gather_sharded_states(dst: int) -> dict[str, Any]:
-    """At a live change, on the old group: every sharded state whole on rank ``dst`` (the next rank 0).
-
-    Returns ``{name: gathered}`` (the values are None except on ``dst``).
-    """
-    return {state.name: state.gather_for_peers(dst) for state in sharded_states()}
-
-
-def reshard_sharded_states(gathered: dict[str, Any]) -> None:
-    """At a live change, on the new group: every sharded state resharded for the new members from rank 0's copy."""
-    for state in sharded_states():
-        state.reshard_for_peers(gathered.get(state.name))
-
-
-def snapshot_sharded_states() -> dict[str, Any]:
-    """Live mode, at an agreed boundary: every sharded state's local shards, copied (no communication)."""
-    return {state.name: state.snapshot_shards() for state in sharded_states()}
-
-
-def recover_sharded_states(snapshots: dict[str, Any]) -> None:
-    """After a lost member, on the group of the members that are left: every sharded state resharded for
-    them from their ``snapshots`` (:func:`snapshot_sharded_states`, taken at the same boundary on each).
-
-    Raises:
-        peer_shards.ShardsLost: on every member, before any state changed,
-            when the lost members held every copy of some shard.
-    """
-    sharded = sharded_states()
-    missing = [state.name for state in sharded if state.name not in snapshots]
-    if missing:  # the same on every member: the snapshots were taken at the same agreed boundary
-        raise peer_shards.ShardsLost(f"no snapshot holds the shards of {missing}")
-    gathered = {state.name: peer_shards.gather_from_snapshots(snapshots[state.name]) for state in sharded}
-    for state in sharded:
-        state.reshard_for_peers(gathered[state.name])
-
-
-def renew_generation() -> None:
-    """The membership changed: the new rank 0 takes a new generation of the checkpoint folder (G6).
-
-    Checkpoints of the old generation's rank 0 are fenced from then on.
-    """
-    session = _session()
-    session.store = session.store_root = None
-    session.generation = session.stale = None
-    if env.rank() == 0:
-        _checkpoint_store()
 
 
 def save_count() -> int:

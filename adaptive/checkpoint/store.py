@@ -64,10 +64,10 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 from adaptive._utils.checks import check_int
 from adaptive._utils.text import format_bytes
+from adaptive._utils.types import JSON
 from adaptive.checkpoint import _disk, _format, _pruning, _safe_load, _writing
 from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo, info_of, verified
 from adaptive.checkpoint.generation import Generation
@@ -146,8 +146,8 @@ class CheckpointStore:
 
     def save(
         self,
-        states: Mapping[str, Any],
-        metadata: Mapping[str, Any] | None = None,
+        states: Mapping[str, object],
+        metadata: Mapping[str, object] | None = None,
     ) -> CheckpointInfo:
         """Write ``states`` as a new checkpoint, atomically, then prune.
 
@@ -202,8 +202,8 @@ class CheckpointStore:
     def publish(
         self,
         reservation: Reservation,
-        states: Mapping[str, Any],
-        metadata: Mapping[str, Any] | None = None,
+        states: Mapping[str, object],
+        metadata: Mapping[str, object] | None = None,
         sharded: _format.ShardedPart | None = None,
     ) -> CheckpointInfo:
         """Write ``states`` and the manifest into a reserved save, rename it into place, prune.
@@ -230,7 +230,7 @@ class CheckpointStore:
         _discard_temp(reservation.temp)
 
     def _publish(
-        self, reservation: Reservation, items: list[tuple[str, Any]], meta: dict[str, Any],
+        self, reservation: Reservation, items: list[tuple[str, object]], meta: JSON,
         sharded: _format.ShardedPart | None,
     ) -> CheckpointInfo:
         started = time.perf_counter()
@@ -252,7 +252,7 @@ class CheckpointStore:
         return info
 
     def _write_and_publish(
-        self, reservation: Reservation, items: list[tuple[str, Any]], metadata: dict[str, Any], final: Path,
+        self, reservation: Reservation, items: list[tuple[str, object]], metadata: JSON, final: Path,
         sharded: _format.ShardedPart | None,
     ) -> _format.Manifest:
         """Build the checkpoint in its temp dir, then rename it to ``final``.

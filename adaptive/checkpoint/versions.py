@@ -27,22 +27,33 @@ the fields' names.
 Checkpoints written by release 0.1 carry no versions: their states are in
 version :data:`UNVERSIONED` of each format (a :class:`Format` says whether a
 state without a version can be read with ``unversioned``).  Pure Python (no
-torch), and importing nothing else of the library, so the goodput model, the
-hints and the scheduler use it without torch.
+torch), and importing nothing else of the library but its type names
+(:mod:`adaptive._utils.types`), so the goodput model, the hints and the
+scheduler use it without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
-__all__ = ["UNVERSIONED", "Migrations", "StateFormatError", "Format", "read_state", "check_fields"]
+from adaptive._utils.types import StateDict
+
+__all__ = ["UNVERSIONED", "Migrations", "Declares", "StateFormatError", "Format", "read_state", "check_fields"]
 
 #: The version of a state saved before formats were versioned (release 0.1).
 UNVERSIONED = 1
 
 #: ``{v: f}``: ``f`` turns a version-``v`` state into a version ``v + 1`` one.
-Migrations = Mapping[int, Callable[[Any], Any]]
+Migrations = Mapping[int, Callable[[StateDict], StateDict]]
+
+
+class Declares(Protocol):
+    """A class (or its instance) that declares its saved format: a ``version``, and ``migrations`` if any."""
+
+    @property
+    def version(self) -> int:
+        """The format version this release writes."""
 
 
 class StateFormatError(ValueError):
@@ -68,7 +79,7 @@ class Format:
     unversioned: int | None = None
 
     @classmethod
-    def of(cls, declared: Any, what: str, *, unversioned: int | None = None) -> Format:
+    def of(cls, declared: Declares, what: str, *, unversioned: int | None = None) -> Format:
         """The format a class (or its instance) declares with its ``version`` and ``migrations`` attributes."""
         return cls(what, declared.version, getattr(declared, "migrations", {}), unversioned)
 
@@ -80,7 +91,7 @@ class Format:
             oldest -= 1
         return tuple(range(oldest, self.version + 1))
 
-    def upgrade(self, state: Any, saved: int) -> Any:
+    def upgrade(self, state: StateDict, saved: int) -> StateDict:
         """``state``, saved in format version ``saved``, brought to :attr:`version`.
 
         Raises:
@@ -102,7 +113,7 @@ class Format:
             state = self.migrations[version](state)
         return state
 
-    def read(self, state: Any) -> dict[str, Any]:
+    def read(self, state: object) -> StateDict:
         """The fields of ``state``, a mapping with a ``"version"`` key, in the current format (without the key).
 
         Raises:
@@ -120,11 +131,11 @@ class Format:
                                    f"{self.version} expected)")
         fields = {key: value for key, value in state.items() if key != "version"}
         # The migrations of a mapping-of-fields format map a fields dict to a fields dict.
-        upgraded: dict[str, Any] = self.upgrade(fields, saved)
-        return upgraded
+        return self.upgrade(fields, saved)
 
 
-def read_state(what: str, state: Any, declared: Any, *, unversioned: int | None = None) -> dict[str, Any]:
+def read_state(what: str, state: object, declared: Declares, *,
+               unversioned: int | None = None) -> StateDict:
     """:meth:`Format.read` for a class that declares ``version`` (and ``migrations``) itself.
 
     Args:
@@ -137,7 +148,7 @@ def read_state(what: str, state: Any, declared: Any, *, unversioned: int | None 
     return Format.of(declared, what, unversioned=unversioned).read(state)
 
 
-def check_fields(what: str, fields: Mapping[str, Any], required: Sequence[str],
+def check_fields(what: str, fields: Mapping[str, object], required: Sequence[str],
                  optional: Sequence[str] = ()) -> None:
     """StateFormatError unless ``fields`` has every ``required`` key and no key
     outside ``required`` and ``optional``."""

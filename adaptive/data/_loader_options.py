@@ -98,3 +98,36 @@ def refuse_unsupported(kwargs: dict[str, Any]) -> None:
     if unknown:
         raise TypeError(f"AdaptiveDataLoader got unexpected keyword arguments {sorted(unknown)}; "
                         f"allowed DataLoader arguments are {list(PASSTHROUGH)}")
+
+
+def options_of(loader: torch.utils.data.DataLoader[Any], shuffle: bool | None) -> tuple[bool, dict[str, Any]]:
+    """An existing DataLoader's order and worker settings, for ``AdaptiveDataLoader.from_dataloader``.
+
+    The order is taken from its sampler (``RandomSampler`` means shuffle)
+    unless ``shuffle`` says it; other samplers cannot be honoured and are
+    refused, as is a custom ``batch_sampler``.
+    """
+    if loader.batch_size is None:
+        raise ValueError("from_dataloader: the DataLoader uses a custom batch_sampler, which cannot be "
+                         "honoured; build AdaptiveDataLoader(dataset, batch_size=...) instead")
+    sampler = loader.sampler
+    if shuffle is None:
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            shuffle = True
+        elif isinstance(sampler, torch.utils.data.SequentialSampler):
+            shuffle = False
+        else:
+            raise ValueError(f"from_dataloader: the DataLoader's sampler {type(sampler).__name__} cannot be "
+                             "honoured; only the default sequential or random order is supported")
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return shuffle, kwargs

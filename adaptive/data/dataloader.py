@@ -43,38 +43,34 @@ break at the same step.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import itertools
 import logging
 from typing import Any, Iterator
 
 import torch.utils.data
 
-from adaptive._utils.mix import mix64
-from adaptive.checkpoint import admission, states
-from adaptive.elastic import epoch, live, random_state, sync_points
+from adaptive.checkpoint import admission, naming, states
+from adaptive.elastic import epoch, sync_points
 from adaptive.observe import metrics
 from adaptive.parallel._training import trained_models
-from adaptive.runtime import env, membership, peer_failure
-from adaptive.runtime.errors import CollectiveError
-from adaptive.runtime.job import current_job
-from adaptive.runtime.step import StepContext, faulted, stream
+from adaptive.runtime import env
+from adaptive.runtime.step import StepContext, stream
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
 from adaptive.batchsize.rampup import BatchSizeSchedule
 from adaptive.batchsize.rampup_specs import describe
-from adaptive.data._loader_options import (check_token_options, dataset_length, refuse_token_options,
-                                           refuse_unsupported, unit_schedule)
+from adaptive.data._loader_options import (check_token_options, dataset_length, options_of,
+                                           refuse_token_options, refuse_unsupported, unit_schedule)
 from adaptive.data._loader_state import LoaderState
 from adaptive.data._loader_report import LoaderReport
-from adaptive.data._loop import Lookahead, LocalBatches, Plan
-from adaptive.data._workers import ShieldedWorkerInit, signals_blocked
+from adaptive.data._loop import LocalBatches
+from adaptive.data._pass import LoaderPass, running_loader, running_loop
+from adaptive.data._workers import ShieldedWorkerInit
 from adaptive.data.sample_batches import SampleBatching
 from adaptive._utils.checks import check_choice, check_int
 from adaptive.data.sampler import ElasticSampler
 from adaptive.batchsize.step_lr import LR_SCALING, lr_factor_of
 from adaptive.data.steps import Batching, PlannedStep, StepShape, StepSizer
-from adaptive.data.weighting import AVERAGE_BY, loss_weight
+from adaptive.data.weighting import AVERAGE_BY
 from adaptive.data.tokens.plan_state import DEFAULT_WINDOW_SIZE
 from adaptive.data.tokens.planner import ON_OVERSIZE
 from adaptive.data.tokens.batching import TokenBatching, check_lengths
@@ -82,42 +78,6 @@ from adaptive.data.tokens.batching import TokenBatching, check_lengths
 __all__ = ["AdaptiveDataLoader", "current_dataloader"]
 
 logger = logging.getLogger(__name__)
-
-
-def rank0_info() -> int:
-    """INFO on rank 0, DEBUG elsewhere: one line per event, not one per replica."""
-    return logging.INFO if env.rank() == 0 else logging.DEBUG
-
-
-def _mix(values: tuple[int, ...]) -> int:
-    """A seed from integers (SplitMix64 over each in turn): the same on every platform and run."""
-    key = 0
-    for value in values:
-        key = mix64(key ^ (value & ((1 << 64) - 1)))
-    return key & ((1 << 63) - 1)
-
-
-@dataclasses.dataclass
-class _RunningLoop:
-    """The loader whose loop is running: its record on the job context (:mod:`adaptive.runtime.job`)."""
-
-    loader: AdaptiveDataLoader | None = None
-
-
-@contextlib.contextmanager
-def _running_loop(loader: AdaptiveDataLoader) -> Iterator[None]:
-    """Mark ``loader``'s loop as the job's running loop; loops of two loaders may not overlap."""
-    running, steps = current_job().part(_RunningLoop), stream()
-    if running.loader is not None:
-        raise RuntimeError(
-            f"overlapping AdaptiveDataLoader iterations: {loader!r} started while {running.loader!r} "
-            "is still iterating; finish (or break out of) one loop before starting another"
-        )
-    running.loader, steps.loop = loader, loader.name
-    try:
-        yield
-    finally:
-        running.loader, steps.loop, steps.current = None, None, None
 
 
 class AdaptiveDataLoader:
@@ -201,7 +161,7 @@ class AdaptiveDataLoader:
         self.dataset = dataset
         self.sampler = ElasticSampler(length, shuffle=shuffle, seed=seed, drop_last=drop_last)
         if name is None:
-            name = states.default_name("dataloader")
+            name = naming.default_name("dataloader")
         elif not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self.name = name
@@ -235,15 +195,12 @@ class AdaptiveDataLoader:
                                                   generator=self._worker_seeds, **kwargs)
         self._loops: collections.Counter[int | None] = collections.Counter()  # loops started per epoch
         self._controller: BatchSizeController | None = None
-        self._step_now: PlannedStep | None = None  # the step being trained
-        self._weights: list[float] = []  # its micro-batches' loss weights
-        self._context: StepContext | None = None  # the micro-step published for the models and optimizers
-        self._last_step: tuple[int, int] | None = None  # (micro size, micro-steps) of the last step taken
+        self._pass: LoaderPass | None = None  # the pass of a loop running now
         self._report = LoaderReport(self)
         self._timing = self._report.timing
         self._scope_warned = False  # warned that this loader outlived the epoch that owns it
         self._given_batch_size = reference
-        self._state = LoaderState(name, reference, states.epoch_scope(), after_admission=self._follow_restored_size)
+        self._state = LoaderState(name, reference, naming.epoch_scope(), after_admission=self._follow_restored_size)
         states.load_state(self._state)
         self._follow_restored_size()
         if self._schedule is not None and env.rank() == 0:
@@ -294,29 +251,7 @@ class AdaptiveDataLoader:
         its sampler (``RandomSampler`` means shuffle); other samplers cannot be
         honoured and are refused.
         """
-        if loader.batch_size is None:
-            raise ValueError("from_dataloader: the DataLoader uses a custom batch_sampler, which cannot be "
-                             "honoured; build AdaptiveDataLoader(dataset, batch_size=...) instead")
-        sampler = loader.sampler
-        if shuffle is None:
-            if isinstance(sampler, torch.utils.data.RandomSampler):
-                shuffle = True
-            elif isinstance(sampler, torch.utils.data.SequentialSampler):
-                shuffle = False
-            else:
-                raise ValueError(f"from_dataloader: the DataLoader's sampler {type(sampler).__name__} cannot be "
-                                 "honoured; only the default sequential or random order is supported")
-        kwargs: dict[str, Any] = {
-            "num_workers": loader.num_workers,
-            "collate_fn": loader.collate_fn,
-            "pin_memory": loader.pin_memory,
-            "timeout": loader.timeout,
-            "worker_init_fn": loader.worker_init_fn,
-            "multiprocessing_context": loader.multiprocessing_context,
-            "persistent_workers": loader.persistent_workers,
-        }
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
+        shuffle, kwargs = options_of(loader, shuffle)
         return cls(loader.dataset, batch_size=loader.batch_size, shuffle=shuffle, seed=seed,
                    drop_last=loader.drop_last, name=name, **kwargs)
 
@@ -343,7 +278,7 @@ class AdaptiveDataLoader:
             adapt_every: optimizer steps between decisions.
             hysteresis: only switch when goodput rises by more than this fraction.
         """
-        if current_job().part(_RunningLoop).loader is self:
+        if running_loader() is self:
             raise RuntimeError("call autoscale_batch_size before iterating the loader")
         bounds = self._batching.autoscale_bounds(max_batch_size, local_bsz_bounds)
         config = AutoscaleConfig(self._init_batch_size, max_batch_size, bounds, bool(gradient_accumulation),
@@ -395,6 +330,11 @@ class AdaptiveDataLoader:
         return self._next_shape().accum
 
     @property
+    def _context(self) -> StepContext | None:
+        """The micro-step being trained (None outside the loop)."""
+        return None if self._pass is None else self._pass.context
+
+    @property
     def micro_step(self) -> tuple[int, int] | None:
         """(index, count) of the micro-batch being trained on, or None outside the loop."""
         context = self._context
@@ -410,7 +350,7 @@ class AdaptiveDataLoader:
     @property
     def current_step(self) -> PlannedStep | None:
         """The optimizer step being trained on (sizes, padding, this replica's indices), or None."""
-        return self._step_now
+        return None if self._pass is None else self._pass.step_now
 
     @property
     def loss_weight(self) -> float:
@@ -480,33 +420,15 @@ class AdaptiveDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         admission.admit()  # live mode: a process that joins a running job becomes a member here, at the latest
-        with _running_loop(self):
+        with running_loop(self):
             key = epoch.current_epoch()
             self._warn_if_out_of_scope(key)
             self._loops[key] += 1
-            loop = self._loops[key]
-            if self._state.finished.get(key, 0) >= loop:
-                logger.log(rank0_info(), "loader %s: loop %d of epoch %s already finished before the restart; "
-                           "skipping it", self.name, loop, key)
-                return
-            self._enter_loop(key, loop)
-            yield from self._steps(key)
-
-    # ------------------------------------------------------------------ one pass of a loop
-    # (as torch's DataLoader leaves its passes to _BaseDataLoaderIter: entering or resuming a loop,
-    # planning steps, yielding their micro-batches, agreeing at step boundaries, committing steps)
-
-    def _enter_loop(self, key: int | None, loop: int) -> None:
-        state = self._state
-        for old in [k for k in state.finished if k is not None and key is not None and k < key]:
-            del state.finished[old]
-        if (state.epoch, state.loop) == (key, loop) and self._batching.resuming(state):
-            logger.log(rank0_info(), "loader %s: resuming loop %d of epoch %s at sample %d of %d",
-                       self.name, loop, key, state.index, self.sampler.num_samples)
-        else:
-            state.epoch, state.loop = key, loop
-            self._batching.reset(state)
-        self.sampler.set_epoch(0 if key is None else key)
+            self._pass = LoaderPass(self, key, self._loops[key])
+            try:
+                yield from self._pass.run()
+            finally:
+                self._pass = None
 
     def _warn_if_out_of_scope(self, key: int | None) -> None:
         scope = self._state.scope
@@ -516,190 +438,8 @@ class AdaptiveDataLoader:
                            "inside an epoch are checkpointed only until that epoch ends, so its position is not "
                            "saved now; create it before the epoch loop", self.name, scope, key)
 
-    def _steps(self, key: int | None) -> Iterator[Any]:
-        plan: Plan | None = None
-        trained, optimizer_steps = 0, stream().optimizer_steps
-        random_state.restore_at("loop")  # the first pass after a restart resumes the random generators too
-        self._timing.reset()
-        sync_points.restart_spacing()  # this loop's steps may be much longer or shorter than the last loop's
-        try:
-            while not epoch.training_finished():  # finish_training() in the loop body ends the loop
-                first = plan is None
-                if first:  # a stop that arrived between loops is acted on before the first step
-                    sync_points.settle(self._checkpoint_metadata, recoverable=True)
-                else:
-                    sync_points.step_boundary(self._checkpoint_metadata)
-                    if plan is not None and plan.key[1] != membership.generation_number() and not faulted():
-                        # Live mode: the membership changed here. The joiners enter this loop now; the
-                        # boundary is the first of the new generation, for the members that stayed too.
-                        sync_points.settle(self._checkpoint_metadata, recoverable=True)
-                        first = True
-                while faulted():  # live mode: a member was lost; those left go back to the last snapshot
-                    self._recover_from_loss(untrained=plan is None)
-                    first = True
-                if sync_points.snapshot_agreed() or first:  # (the flag is consumed either way)
-                    live.take_snapshot(self._where())
-                    if faulted():  # a member was lost during the snapshot: back to the boundary
-                        continue
-                self._after_boundary(first=first)
-                if faulted():  # a member was lost while the batch size was agreed: back to the boundary
-                    continue
-                plan_key = (self._controller.current() if self._controller is not None else None,
-                            membership.generation_number())
-                if plan is None or plan.key != plan_key:
-                    if plan is not None:  # a new batch size: new step times
-                        sync_points.restart_spacing()
-                    plan = self._start_plan(plan_key)
-                step = next(plan.steps, None)
-                if step is None:
-                    sync_points.final_boundary(self._checkpoint_metadata)
-                    if faulted():  # live mode: a member was lost at the loop's end; back to the snapshot
-                        continue
-                    break
-                if not first and not plan.steps.has_next():
-                    # A stop known now is taken before the loop's last step, so that a replay runs
-                    # that step (and the loop body that binds its variables) again.
-                    sync_points.settle(self._checkpoint_metadata, recoverable=True)
-                    if faulted():  # live mode: a member was lost here; back to the snapshot
-                        continue
-                self._begin_step(step)
-                count = step.num_micro_steps
-                for micro in range(count):
-                    self._publish(step, micro)
-                    yield self._timing.fetch(plan.batches, last=micro == count - 1)
-                if faulted():  # live mode: a member was lost during the step; it is discarded, not committed
-                    self._end_step(None)
-                    continue
-                self._commit(step)
-                trained += 1
-        except GeneratorExit:
-            # ``break`` (or the loop abandoned): the loop counts as done.  No
-            # collective here: the pending agreement settles at the next boundary.
-            step, context = self._step_now, self._context
-            if epoch.training_finished() and step is not None and context is not None \
-                    and not context.is_accumulation_step:
-                self._commit(step)  # finish_training() then break after the step's last micro-batch: it was taken
-                trained += 1
-            else:
-                self._end_step(None)
-            if not trained and stream().optimizer_steps == optimizer_steps:
-                # Abandoned before it trained a step (``next(iter(loader))`` to learn a batch's shape): it
-                # consumed nothing, and the next pass is this loop again, after a restart as well.
-                self._loops[key] -= 1
-                raise
-            self._mark_finished(key)
-            epoch.save_pending_finish()  # all replicas called finish_training(): this collective is safe
-            raise
-        self._mark_finished(key)
-        if epoch.training_finished():  # finish_training() in the loop body: checkpointed, nothing left to agree on
-            epoch.save_pending_finish()
-
-    def _where(self) -> tuple[Any, ...]:
-        """The loop in progress (live mode: a snapshot is good for its own loop only)."""
-        return (epoch.current_epoch(), self.name, self._state.loop)
-
-    def _recover_from_loss(self, untrained: bool) -> None:
-        """Live mode: re-form without the lost member and go back to the snapshot, or end this process.
-
-        ``untrained``: this loop has not trained a step yet (the loss came at its first boundary).
-        """
-        error = stream().fault
-        if not live.recover(self._where(), loop_untrained=untrained):
-            assert error is not None
-            peer_failure.report(error)
-            raise SystemExit(1) from error
-        sync_points.forget_decisions()
-        sync_points.settle(self._checkpoint_metadata, recoverable=True)  # the first boundary of the re-formed job
-
-    def _commit(self, step: PlannedStep) -> None:
-        """The step's micro-batches were all trained: advance the position past it."""
-        self._batching.commit(self._state, step)
-        self._state.step += 1
-        stream().steps_committed += 1
-        self._end_step(step)
-
-    def _start_plan(self, key: Any) -> Plan:
-        """(Re)start planning from the committed position; the fetching side follows the same plan."""
-        steps = self._batching.plan(self._state, self._sizer, env.num_replicas(), env.rank())
-        position = (self.sampler.seed, -1 if self._state.epoch is None else self._state.epoch, self._state.loop,
-                    self._state.index, env.rank())
-        self._worker_seeds.manual_seed(_mix(position))
-        outer, inner = itertools.tee(steps)
-        self._batches.source = (indices for step in inner for indices in step.indices)
-        with signals_blocked(self._workers):  # workers start here (each loop, unless persistent)
-            batches = iter(self._inner)
-        return Plan(key, Lookahead(outer), batches)
-
-    def _begin_step(self, step: PlannedStep) -> None:
-        """The loss weights of the step about to run; its micro-steps are published one by one."""
-        replicas, count = env.num_replicas(), step.num_micro_steps
-        model = trained_models().latest
-        total = step.num_tokens if self._average_by == "tokens" else step.num_samples
-        divisor = model.gradient_divisor(count) if model is not None else replicas
-        self._weights = [loss_weight(step, m, total or 0, divisor) for m in range(count)]
-        self._step_now = step
-        local = step.shape.micro if self._sizer.per_replica else max(1, step.shape.micro // replicas)
-        self._last_step = (local, count)
-
-    def _publish(self, step: PlannedStep, micro: int) -> None:
-        """Tell the models and optimizers what the micro-step about to be trained is (one way: they read it)."""
-        replicas = env.num_replicas()
-        self._context = stream().current = StepContext(
-            loader=self.name, index=self._state.step, micro_step=micro, num_micro_steps=step.num_micro_steps,
-            size=step.size, planned_size=step.planned_size, init_batch_size=self._init_batch_size,
-            local_batch_size=self._last_step[0] if self._last_step is not None else step.shape.micro,
-            num_replicas=replicas, loss_weight=self._weights[micro], padding=bool(step.padding[micro]),
-            lr_scaling=self._lr_scaling)
-
-    def _end_step(self, step: PlannedStep | None) -> None:
-        if step is not None:
-            self._report.interval.add(step)
-        self._context = stream().current = None
-        self._step_now = None
-
-    def _after_boundary(self, first: bool) -> None:
-        """Per-step bookkeeping at a boundary: timing, batch-size decisions, metrics."""
-        model = trained_models().latest
-        step_time, compute_time, data_time = self._timing.step_done()
-        if self._controller is not None and step_time is not None and self._last_step is not None:
-            self._controller.observe(*self._last_step, step_time, compute_time, data_time)
-        if self._controller is not None and model is not None:
-            force = first and self._controller.replicas_changed()
-            if force or (not first and self._state.step % self._controller.config.adapt_every == 0):
-                before = self._controller.current()
-                grad_params = model.gns.to_grad_params()
-                try:
-                    decision = self._controller.decide(grad_params, force=force)
-                except CollectiveError as error:  # live mode: recorded on the step; the members re-form
-                    if not peer_failure.absorb_in_live_mode(error):
-                        raise
-                    return
-                self._controller.report_hints(grad_params, model.scaling_rule.progress, self._completed_fraction())
-                if decision is not None:
-                    self._report.decision(decision, *before)
-        if not first and torch.is_grad_enabled():  # not for evaluation loops under no_grad
-            self._report.step_taken(model, self._state.index, self._init_batch_size)
-
-    def _completed_fraction(self) -> float | None:
-        """The job's declared training done, for the hints: finished epochs plus this loop's position.
-
-        The position is the share of the epoch's samples this loop has
-        taken (``state.index`` counts samples with a token budget too), over
-        the sampler's epoch length; None without a declared epoch count.
-        """
-        total = self.sampler.num_samples
-        return epoch.completed_fraction(min(1.0, self._state.index / total) if total > 0 else 0.0)
-
-    def _mark_finished(self, key: int | None) -> None:
-        self._state.finished[key] = self._state.loop
-        self._batching.reset(self._state)
-
-    def _checkpoint_metadata(self) -> dict[str, Any]:
-        return {"epoch": epoch.current_epoch(), "step": self._state.step, "loader": self.name,
-                "index": self._state.index, "batch_size": self.batch_size, "consumed": self._state.consumed,
-                "unit": self.unit}
-
 
 def current_dataloader() -> AdaptiveDataLoader | None:
     """The AdaptiveDataLoader whose loop is running now, or None between loops."""
-    return current_job().part(_RunningLoop).loader
+    loader = running_loader()
+    return loader if isinstance(loader, AdaptiveDataLoader) else None

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from adaptive.checkpoint import admission, states
+from adaptive.checkpoint import admission, naming, states
 from adaptive.runtime import collectives
 from adaptive.runtime.step import loop_running
 from adaptive.elastic import epoch, sync_points
@@ -159,10 +159,10 @@ class Accumulator(collections.abc.MutableMapping[Any, Any]):
         for key, value in initial.items():
             _check_value(key, value)
         if name is None:
-            name = states.default_name("accumulator")
+            name = naming.default_name("accumulator")
         elif not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
-        self._state = _AccumulatorState(f"adaptive.accumulator.{name}", initial, states.epoch_scope())
+        self._state = _AccumulatorState(f"adaptive.accumulator.{name}", initial, naming.epoch_scope())
         states.load_state(self._state)
         self._synchronized: dict[Any, Any] | None = None
         self._sync_count: collections.Counter[int | None] = collections.Counter()  # synchronized() calls per epoch

@@ -35,11 +35,11 @@ import logging
 from typing import Any, Iterator
 
 from adaptive._utils.checks import check_float
-from adaptive.checkpoint import admission, states
+from adaptive.checkpoint import admission, naming, states
 from adaptive.runtime import env
 from adaptive.runtime.step import loop_running
 from adaptive.runtime.job import Job, current_job, on_reset
-from adaptive.elastic import random_state, sync_points
+from adaptive.elastic import random_state, stopping, sync_points
 
 __all__ = ["remaining_epochs_until", "current_epoch", "finished_epochs", "finish_training", "training_finished",
            "completed_fraction"]
@@ -189,7 +189,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     try:
         while state.finished < epoch and not state.ended:
             state.current = state.finished
-            states.begin_epoch(state.current)
+            naming.begin_epoch(state.current)
             generators.restore("epoch")  # after a checkpoint at an epoch's end: the next epoch starts from it
             try:
                 yield state.current
@@ -200,13 +200,13 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                 break
             state.finished = state.current + 1
             state.current = None
-            states.end_epoch()
+            naming.end_epoch()
             if state.finished == epoch:
                 _save_finished(state)
             sync_points.settle(lambda: _epoch_metadata(state))
     finally:
         progress.looping, progress.total = False, None
-        states.end_epoch()
+        naming.end_epoch()
 
 
 def _left_early(state: _EpochState, epoch: int) -> None:
@@ -248,7 +248,7 @@ def _save_finished(state: _EpochState) -> None:
     finished checkpoint is durable when this returns.
     """
     states.wait_for_pending_save()
-    sync_points.save_or_exit(dict(_epoch_metadata(state), reason="finished"))
+    stopping.save_or_exit(dict(_epoch_metadata(state), reason="finished"))
     what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "%s; checkpointed so that a relaunch trains nothing", what)

@@ -3,7 +3,9 @@
 The members of a generation (:mod:`adaptive.runtime.membership`) learn
 about a change through the per-step agreement
 (:mod:`adaptive.elastic.sync_points`): rank 0 adds how many processes asked
-to join, each member whether it was asked to leave (SIGTERM in live mode).
+to join and how many nodes were asked to drain
+(:mod:`adaptive.runtime.draining`), each member whether it was asked to
+leave (SIGTERM in live mode).
 At the boundary where the change was agreed every member calls
 :func:`change`, which:
 
@@ -18,7 +20,7 @@ At the boundary where the change was agreed every member calls
    (:func:`adaptive.runtime.collectives.regroup`); the new rank 0 takes a
    new generation of the checkpoint folder (guarantee G6);
 5. hands the joiners the whole training state over the new group
-   (:func:`adaptive.checkpoint.states.share_with_joiners`).  A sharded
+   (:func:`adaptive.checkpoint.handover.share_with_joiners`).  A sharded
    model (FSDP2, HSDP) was gathered whole on the next rank 0 before the
    regroup and is sharded anew for the new members from that copy
    (:mod:`adaptive.checkpoint.peer_shards`).
@@ -40,7 +42,7 @@ agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
 each loop's first boundary), so the steps since then are trained again.
 A sharded model (FSDP2, HSDP) snapshots each rank's own shards; after a
 loss the members that are left join a whole copy from them on the new
-rank 0 (:func:`adaptive.checkpoint.states.recover_sharded_states`) and shard
+rank 0 (:func:`adaptive.checkpoint.handover.recover_sharded_states`) and shard
 it anew for themselves, as at a change.  Its mesh's collectives record the
 loss instead of raising (:mod:`adaptive.runtime.fault_tolerant_group`, gloo
 only).  With HSDP every replica group holds every shard, so losing any
@@ -58,15 +60,16 @@ import logging
 import time
 from typing import Any
 
-from adaptive.checkpoint import states
+from adaptive.checkpoint import fencing, handover, states
 from adaptive.elastic import random_state
 from adaptive.checkpoint.peer_shards import ShardsLost
-from adaptive.runtime import admitting, collectives, env, fault_tolerant_group, membership, peer_failure, reforming
+from adaptive.runtime import (admitting, collectives, draining, env, fault_tolerant_group, membership, peer_failure,
+                              reforming)
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
-__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "change", "snapshot_due", "take_snapshot",
-           "recover"]
+__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "drains_seen", "change", "snapshot_due",
+           "take_snapshot", "recover"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +114,45 @@ def joins_seen() -> int:
         return 0
 
 
-def change(joins: int, metadata: dict[str, Any]) -> Outcome:
+def drains_seen() -> int:
+    """On rank 0 of a live job: how many drain requests wait (:mod:`adaptive.runtime.draining`; 0 elsewhere)."""
+    record = membership.membership()
+    if record.store is None or env.rank() != 0:
+        return 0
+    try:
+        return draining.pending_drains(record.store)
+    except (RuntimeError, OSError) as error:
+        logger.warning("cannot read the live job's store (%s); no node can be drained until it answers", error)
+        return 0
+
+
+def _drained(drains: int) -> bool:
+    """Whether this member's node was asked to drain (read only when the agreement says a drain waits)."""
+    store = membership.membership().store
+    if not drains or store is None:
+        return False
+    if draining.is_drained(store, env.live_node()):
+        request_leave()
+        logger.warning("node %d was asked to drain: leaving the live job at this step; the other members continue",
+                       env.live_node())
+    return leave_requested()
+
+
+def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
     """Move every member of this generation to the next one; collective on the old group.
 
     Args:
         joins: the number of join requests agreed (rank 0's count when the
             agreement was issued); that many joiners are admitted.
         metadata: the position, as the checkpoint's manifest describes it.
+        drains: the number of drain requests agreed; the members of drained
+            nodes leave, and rank 0 counts the requests served.
     """
     started = time.perf_counter()
     states.wait_for_pending_save()
-    wid = membership.membership().wid
-    assert wid is not None, "a member of a live generation has a worker id"
-    leaving = collectives.allgather_object((wid, leave_requested()))
+    record = membership.membership()
+    assert record.wid is not None, "a member of a live generation has a worker id"
+    leaving = collectives.allgather_object((record.wid, _drained(drains) or leave_requested()))
     survivors = [wid for wid, leaves in leaving if not leaves]
     if not survivors:
         return Outcome.STOP
@@ -131,6 +160,8 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
         state.sync()
     following = None
     if env.rank() == 0:
+        assert record.store is not None
+        draining.mark_served(record.store, drains)
         following = admitting.close_generation(survivors, joins)
         if following.joiners and not admitting.await_arrivals(following):
             following = admitting.abandon_admission(following)
@@ -140,7 +171,7 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
     old_order = [wid for wid, _ in leaving]
     same = [m.wid for m in following.members] == old_order
     # Sharded states (FSDP2) are gathered whole on the next rank 0 while the old group, leavers included, holds them.
-    gathered = {} if same else states.gather_sharded_states(old_order.index(following.members[0].wid))
+    gathered = {} if same else handover.gather_sharded_states(old_order.index(following.members[0].wid))
     if leave_requested():
         logger.info("left the live job at %s; generation %d continues with %d members", _where(metadata),
                     following.number, len(following.members))
@@ -149,12 +180,12 @@ def change(joins: int, metadata: dict[str, Any]) -> Outcome:
         membership.enter(following)
     else:
         collectives.regroup(following)
-    states.renew_generation()
+    fencing.renew_generation()
     regrouped = time.perf_counter()
     if following.joiners:
-        states.share_with_joiners(dict(metadata, live_generation=following.number))
+        handover.share_with_joiners(dict(metadata, live_generation=following.number))
     if not same:
-        states.reshard_sharded_states(gathered)
+        handover.reshard_sharded_states(gathered)
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "live membership change at %s: %d -> %d replicas (%d joined, %d left), generation %d; "
                "regrouped in %.3f s, state handed over in %.3f s", _where(metadata), before, env.num_replicas(),
@@ -200,7 +231,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     trained again after a loss draws the numbers it drew the first time (its
     dropout masks, its random augmentation in the training process).  A
     sharded state keeps this rank's shards
-    (:func:`adaptive.checkpoint.states.snapshot_sharded_states`).
+    (:func:`adaptive.checkpoint.handover.snapshot_sharded_states`).
     """
     if not membership.is_live() or env.live_snapshot_interval() <= 0:
         return
@@ -215,7 +246,7 @@ def take_snapshot(where: tuple[Any, ...]) -> None:
     snapshot = current_job().part(_Snapshot)
     snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered
                          if state.name != random_state.NAME}
-    snapshot.shards = states.snapshot_sharded_states()
+    snapshot.shards = handover.snapshot_sharded_states()
     snapshot.generators = random_state.capture_local()
     snapshot.where, snapshot.taken_at = where, time.monotonic()
 
@@ -252,7 +283,7 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
                      "restarting from the checkpoint", error, sorted(set(points), key=repr))
         return False
     # The sharded states' own shards at the loop's start are what the previous loop ended with.
-    shards = states.snapshot_sharded_states() if at_loop_start else snapshot.shards
+    shards = handover.snapshot_sharded_states() if at_loop_start else snapshot.shards
     if not at_loop_start:
         for state in states.registered_states():
             if state.name in snapshot.contents:
@@ -262,11 +293,11 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     step_records.stream().fault = None
     if shards:
         try:
-            states.recover_sharded_states(shards)
+            handover.recover_sharded_states(shards)
         except ShardsLost as lost:
             logger.error("lost a member (%s) and %s; restarting from the checkpoint", error, lost)
             return False
-    states.renew_generation()
+    fencing.renew_generation()
     back_to = ("the start of this loop" if at_loop_start else
                f"the snapshot of {time.monotonic() - (snapshot.taken_at or time.monotonic()):.1f} s ago")
     logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",

@@ -30,13 +30,17 @@ arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
 * SIGTERM or SIGINT is passed to the workers, which leave the job at their
   next agreed step (the others continue); when every agent is stopped the
   last members checkpoint and the job stops as without live mode.
+* a node asked to drain (``adaptive drain``, :mod:`adaptive.runtime.draining`)
+  sees its workers leave at the job's next agreement, with nothing lost, and
+  starts none of them again.
 
-Exit status: 0 when every worker finished, 143 when they left or stopped
-gracefully, 3 when fenced, 1 when a worker failed more often than allowed.
+Exit status: 0 when every worker finished, 143 when they left (drained too) or
+stopped gracefully, 3 when fenced, 1 when a worker failed more often than allowed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -46,14 +50,16 @@ import signal
 import subprocess
 import time
 from argparse import Namespace
+from types import FrameType
 from typing import Any
 
 import portpicker
 
 from adaptive.elastic.warm_start import WarmStarter, WarmWorker, worker_command
-from adaptive.runtime import env, launch_status, live_protocol, membership, process_tree
+from adaptive.runtime import draining, env, launch_status, live_protocol, membership, process_tree
+from adaptive.runtime.liveness import BEAT_INTERVAL  # an agent's signs of life come as often as a worker's
 
-__all__ = ["run", "DONE_EXIT_CODES"]
+__all__ = ["run", "LiveConfig", "LiveAgent", "DONE_EXIT_CODES"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +69,52 @@ DONE_EXIT_CODES = (0, 143)
 POLL = 0.05
 #: Seconds the workers get to leave after a stop signal before they are killed.
 STOP_GRACE = 60.0
-#: Seconds between an agent's signs of life in the job's store.
-BEAT_INTERVAL = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveConfig:
+    """What a live agent runs and how: the typed form of ``adaptive-run --live``'s arguments."""
+
+    script: str  # the training script (or module, with ``module``)
+    script_args: tuple[str, ...]
+    module: bool
+    per_node: int  # workers on this node (--nproc-per-node)
+    smallest: int  # the fewest workers the job trains with (--nnodes MIN times per_node)
+    largest: int  # the most workers the job admits (--nnodes MAX times per_node)
+    max_restarts: int  # restarts of failed workers this agent may spend
+    host: str  # the job's store: the rendezvous endpoint (127.0.0.1 and a free port with --standalone)
+    port: int
+    job_id: str  # the job's name in the store (ADAPTIVE_JOB_ID, else the script's name)
+    cold_start: bool = False
+    preload: tuple[str, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: Namespace) -> LiveConfig:
+        """Check and type torchrun's parsed arguments (a clear error names the argument)."""
+        try:
+            per_node = int(args.nproc_per_node)
+        except ValueError:
+            per_node = 0
+        if per_node < 1:
+            raise SystemExit(f"adaptive-run --live: --nproc-per-node must be a number >= 1, got {args.nproc_per_node!r}")
+        smallest, largest = _size_bounds(args, per_node)
+        host, port = _endpoint(args)
+        return cls(script=str(args.training_script), script_args=tuple(args.training_script_args),
+                   module=bool(args.module), per_node=per_node, smallest=smallest, largest=largest,
+                   max_restarts=int(args.max_restarts), host=host, port=port, job_id=_job_id(args),
+                   cold_start=bool(args.cold_start), preload=tuple(args.preload))
+
+
+@dataclasses.dataclass
+class WorkerSlot:
+    """One local rank of this node: its process while it runs, how it last ended, how often it was started."""
+
+    process: subprocess.Popen[bytes] | WarmWorker | None = None
+    exit_code: int | None = None
+    starts: int = 0
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
 
 def _endpoint(args: Namespace) -> tuple[str, int]:
@@ -89,7 +139,7 @@ def _size_bounds(args: Namespace, per_node: int) -> tuple[int, int]:
 
 def _job_id(args: Namespace) -> str:
     """The job's name, as its workers would take it (``ADAPTIVE_JOB_ID``, else the script's or module's name)."""
-    if os.environ.get("ADAPTIVE_JOB_ID"):
+    if env.job_id_given():
         return env.job_id()
     script = str(args.training_script)
     stem = script.rsplit(".", 1)[-1] if args.module else os.path.splitext(os.path.basename(script))[0]
@@ -131,54 +181,48 @@ def _host_or_connect(host: str, port: int) -> tuple[Any, bool]:
 class LiveAgent:
     """Starts, watches and restarts this node's workers (see the module docstring)."""
 
-    def __init__(self, args: Namespace, status_dir: str, warm: WarmStarter | None = None) -> None:
-        self.per_node = int(args.nproc_per_node)
-        if self.per_node < 1:
-            raise SystemExit(f"adaptive-run --live: --nproc-per-node must be a number >= 1, got {args.nproc_per_node!r}")
-        self.module, self.script, self.script_args = bool(args.module), args.training_script, args.training_script_args
+    def __init__(self, config: LiveConfig, status_dir: str, warm: WarmStarter | None = None) -> None:
+        self.config = config
         self.warm = warm
-        self.smallest, self.largest = _size_bounds(args, self.per_node)
-        self.restarts_left = int(args.max_restarts)
-        self.host, self.port = _endpoint(args)
-        self.store, self.hosting = _host_or_connect(self.host, self.port)
+        self.restarts_left = config.max_restarts
+        self.store, self.hosting = _host_or_connect(config.host, config.port)
         self.node = int(self.store.add(live_protocol.AGENTS_KEY, 1))
         self._beat()
         self.status_dir = status_dir
-        self.job_id = _job_id(args)
-        self.job_store = membership.job_store(self.store, self.job_id)  # the job's keys on the store
-        self.workers: dict[int, subprocess.Popen[bytes] | WarmWorker | None] = {}
-        self.codes: dict[int, int] = {}
-        self.starts: dict[int, int] = {}
+        self.job_store = membership.job_store(self.store, config.job_id)  # the job's keys on the store
+        self.slots = {local_rank: WorkerSlot() for local_rank in range(config.per_node)}
         self.stopping = False
 
     def _environment(self, local_rank: int) -> dict[str, str]:
+        config = self.config
         environment = process_tree.child_environment()
         environment.update({
-            env.LIVE_STORE_VAR: f"{self.host}:{self.port}", env.LIVE_NODE_VAR: str(self.node),
-            env.LIVE_MIN_VAR: str(self.smallest), env.LIVE_MAX_VAR: str(self.largest),
-            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node), "MASTER_ADDR": self.host,
-            "TORCHELASTIC_RESTART_COUNT": str(self.starts.get(local_rank, 0)),
-            launch_status.STATUS_DIR_VAR: self.status_dir, "ADAPTIVE_JOB_ID": self.job_id,
+            env.LIVE_STORE_VAR: f"{config.host}:{config.port}", env.LIVE_NODE_VAR: str(self.node),
+            env.LIVE_MIN_VAR: str(config.smallest), env.LIVE_MAX_VAR: str(config.largest),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(config.per_node), "MASTER_ADDR": config.host,
+            "TORCHELASTIC_RESTART_COUNT": str(self.slots[local_rank].starts),
+            launch_status.STATUS_DIR_VAR: self.status_dir, "ADAPTIVE_JOB_ID": config.job_id,
         })
         for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_PORT"):
             environment.pop(name, None)  # the membership decides them
         return environment
 
     def _start(self, local_rank: int) -> None:
+        config, slot = self.config, self.slots[local_rank]
         environment = self._environment(local_rank)
-        forked = None if self.warm is None else self.warm.start(self.script, self.module, self.script_args,
-                                                                  environment)
+        forked = None if self.warm is None else self.warm.start(config.script, config.module,
+                                                                  list(config.script_args), environment)
         if forked is not None:
-            self.workers[local_rank] = forked
+            slot.process = forked
             logger.info("adaptive-run --live: node %d forks worker %d from its pre-warmed process", self.node,
                         local_rank)
         else:
-            command = worker_command(self.script, self.module, self.script_args)
-            cold = self.workers[local_rank] = subprocess.Popen(command, env=environment)
+            command = worker_command(config.script, config.module, list(config.script_args))
+            cold = slot.process = subprocess.Popen(command, env=environment)
             logger.info("adaptive-run --live: node %d started worker %d (pid %d)", self.node, local_rank, cold.pid)
-        self.starts[local_rank] = self.starts.get(local_rank, 0) + 1
+        slot.starts += 1
 
-    def stop(self, signum: int, frame: Any = None) -> None:
+    def stop(self, signum: int, frame: FrameType | None = None) -> None:
         """Pass a stop to the workers: they leave the job at their next agreed step."""
         if self.stopping:
             if signum == signal.SIGINT:
@@ -187,9 +231,10 @@ class LiveAgent:
         self.stopping = True
         logger.warning("adaptive-run --live: received %s; the workers of node %d leave the job",
                        signal.Signals(signum).name, self.node)
-        for worker in self.workers.values():
-            if worker is not None and worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
+        for slot in self.slots.values():
+            if slot.running():
+                assert slot.process is not None
+                slot.process.send_signal(signal.SIGTERM)
 
     def _beat(self, done: bool = False) -> None:
         """Tell the other agents (the hosting one) that this one lives, or that it is done."""
@@ -198,10 +243,10 @@ class LiveAgent:
 
     def run(self) -> int:
         """Run the workers until every one of them is done; the agent's exit status."""
-        for local_rank in range(self.per_node):
+        for local_rank in self.slots:
             self._start(local_rank)
         stop_deadline: float | None = None
-        while any(worker is not None for worker in self.workers.values()):
+        while any(slot.process is not None for slot in self.slots.values()):
             time.sleep(POLL)
             if time.monotonic() - self.beaten > BEAT_INTERVAL:
                 self._beat()
@@ -212,9 +257,9 @@ class LiveAgent:
                 logger.error("adaptive-run --live: the workers did not leave within %.0f s; killing them", STOP_GRACE)
                 self._kill_all()
                 return 1
-            for local_rank, worker in list(self.workers.items()):
-                code = None if worker is None else worker.poll()
-                if worker is None or code is None:
+            for local_rank, slot in self.slots.items():
+                code = None if slot.process is None else slot.process.poll()
+                if code is None:
                     continue
                 status = self._worker_exited(local_rank, code)
                 if status is not None:
@@ -223,15 +268,15 @@ class LiveAgent:
 
     def _worker_exited(self, local_rank: int, code: int) -> int | None:
         """Restart or retire a worker that exited; an exit status when the whole agent must end now."""
-        self.workers[local_rank] = None
-        self.codes[local_rank] = code
+        slot = self.slots[local_rank]
+        slot.process, slot.exit_code = None, code
         if code == launch_status.STALE_GENERATION_EXIT_CODE or launch_status.stale_report(self.status_dir):
             logger.error("adaptive-run --live: a newer incarnation of the job took over; ending this one")
             self._kill_all()
             return launch_status.STALE_GENERATION_EXIT_CODE
         if code not in DONE_EXIT_CODES:
             self._say_dead(local_rank)
-        if code in DONE_EXIT_CODES or self.stopping:
+        if code in DONE_EXIT_CODES or self.stopping or self._drained():
             return None
         if self.restarts_left <= 0:
             logger.error("adaptive-run --live: worker %d failed with %d and no restarts are left", local_rank, code)
@@ -250,7 +295,8 @@ class LiveAgent:
 
     def _kill_hung(self) -> None:
         """Kill the workers that the job's other members took out as hung (they are started again as failed)."""
-        for local_rank, worker in self.workers.items():
+        for local_rank, slot in self.slots.items():
+            worker = slot.process
             if worker is None or worker.pid is None or worker.poll() is not None:
                 continue
             try:
@@ -274,8 +320,19 @@ class LiveAgent:
         except (RuntimeError, OSError, ValueError) as error:
             logger.debug("could not report the death of worker %d: %s", local_rank, error)
 
+    def _drained(self) -> bool:
+        """Whether this node was asked to drain (:mod:`adaptive.runtime.draining`): its workers are not started
+        again; False when the store cannot say."""
+        try:
+            return draining.is_drained(self.job_store, self.node)
+        except (RuntimeError, OSError) as error:
+            logger.debug("could not read whether node %d was drained: %s", self.node, error)
+            return False
+
     def _exit_status(self) -> int:
-        codes = set(self.codes.values())
+        if self._drained():
+            logger.warning("adaptive-run --live: node %d was drained; its workers left the job", self.node)
+        codes = {slot.exit_code for slot in self.slots.values() if slot.exit_code is not None}
         if codes <= {0}:
             return 0
         return 143 if codes <= set(DONE_EXIT_CODES) else 1
@@ -321,12 +378,13 @@ def run(args: Namespace, status_dir: str, warm: WarmStarter | None = None) -> in
     (:func:`~adaptive.elastic.warm_start.start_early`); else it is started
     here, unless ``--cold-start``.
     """
-    if warm is None and not args.cold_start:
+    config = LiveConfig.from_args(args)
+    if warm is None and not config.cold_start:
         warm = WarmStarter()  # it imports while the agent joins the job
     if warm is not None:
-        warm.preload(args.preload)
+        warm.preload(list(config.preload))
     try:
-        agent = LiveAgent(args, status_dir, warm)
+        agent = LiveAgent(config, status_dir, warm)
         signal.signal(signal.SIGTERM, agent.stop)
         signal.signal(signal.SIGINT, agent.stop)
         try:

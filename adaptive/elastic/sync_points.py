@@ -27,26 +27,20 @@ A stop or a due checkpoint is acted on within about two agreement intervals
 (or two steps, whichever is longer) inside loader loops; plain code between
 loops delays it by its own duration.
 
-A graceful stop (SIGTERM or SIGINT) waits for an asynchronous checkpoint
-still in flight, saves a checkpoint and exits with code 143, inside
-torchrun's 30 s shutdown window.  Periodic checkpoints are written in the
-background when ``ADAPTIVE_ASYNC_CHECKPOINT`` says so (see
-:func:`adaptive.checkpoint.states.periodic_saves_asynchronous`).  If that checkpoint cannot be
-written the process says why and exits with code 1, and ``adaptive-run``
-reports the failure instead of a clean stop.  A second SIGINT interrupts at
-once.  If a peer died, the agreement itself fails: this replica then exits
-at once *without* writing, so the last complete checkpoint stays the newest.
-
-Every agreement also carries rank 0's view of the job's generation (see
-:mod:`adaptive.checkpoint.generation`): once a newer incarnation has taken
-the checkpoint folder, every replica of this one stops at the same
-boundary, writes nothing, tells ``adaptive-run`` (which ends the whole
-incarnation) and exits with :data:`STALE_GENERATION_EXIT_CODE`.
+What each replica says is a :class:`~adaptive.elastic.step_flags.StepFlags`
+record (a stop, a due checkpoint, the spacing, the resumed checkpoint, the
+checkpoint folder's generation, and in live mode joins, leaves, drains and
+snapshots); the agreed stop itself, and the signals that ask for it, are
+:mod:`adaptive.elastic.stopping`.  If a peer died, the agreement itself
+fails: this replica then exits at once *without* writing, so the last
+complete checkpoint stays the newest.  Once a newer incarnation has taken
+the checkpoint folder, every replica of this one stops at the same boundary
+and writes nothing (:func:`adaptive.elastic.stopping.exit_stale`).
 
 In live mode (``adaptive-run --live``, :mod:`adaptive.elastic.live`) the
-agreement also carries the join requests rank 0 saw, whether a member
-leaves (SIGTERM makes a member leave rather than stop the job) and whether
-an in-memory snapshot is due; a change is made at the boundary where it was
+agreement also carries the join and drain requests rank 0 saw, whether a
+member leaves (SIGTERM makes a member leave rather than stop the job) and
+whether an in-memory snapshot is due; a change is made at the boundary where it was
 agreed, after the old generation acted on what it had agreed.  A lost peer
 at a loader's boundary is recorded on the step instead of ending the
 process, and the loader re-forms the members that are left.
@@ -54,24 +48,24 @@ process, and the loader re-forms the members that are left.
 
 from __future__ import annotations
 
-import logging
 import dataclasses
-import signal
-import threading
+import logging
 import time
-from types import FrameType
 from typing import Any, Callable
 
-from adaptive.checkpoint import states
-from adaptive.checkpoint.generation import StaleGenerationError
-from adaptive.elastic import live
-from adaptive.runtime import collectives, env, launch_status, membership, peer_failure
+from adaptive.checkpoint import fencing, states
+from adaptive.elastic import live, stopping
+from adaptive.elastic.step_flags import StepFlags
+from adaptive.elastic.stopping import (GRACEFUL_EXIT_CODE, PEER_FAILED_EXIT_CODE, STALE_GENERATION_EXIT_CODE,
+                                       STOP_FAILED_EXIT_CODE, install_signal_handlers, request_stop, stop_requested)
+from adaptive.runtime import collectives, env, membership, peer_failure
 from adaptive.runtime import step as step_records
-from adaptive.runtime.job import Job, current_job, on_reset
+from adaptive.runtime.job import current_job
 
 __all__ = [
     "GRACEFUL_EXIT_CODE",
     "STOP_FAILED_EXIT_CODE",
+    "PEER_FAILED_EXIT_CODE",
     "STALE_GENERATION_EXIT_CODE",
     "install_signal_handlers",
     "request_stop",
@@ -80,99 +74,40 @@ __all__ = [
     "settle",
     "restart_spacing",
     "final_boundary",
+    "forget_decisions",
+    "snapshot_agreed",
+    "last_position",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Exit status after a graceful stop (128 + SIGTERM), as torchrun expects.
-GRACEFUL_EXIT_CODE = 143
-#: Exit status when a stop was asked for but its checkpoint could not be written.
-STOP_FAILED_EXIT_CODE = 1
-#: Exit status of a replica whose peer failed (nothing is written; torchrun restarts the group).
-PEER_FAILED_EXIT_CODE = 1
-#: Exit status of an incarnation that a newer generation of the job fenced off.
-STALE_GENERATION_EXIT_CODE = launch_status.STALE_GENERATION_EXIT_CODE
 
 #: Seconds between agreements with several replicas (at least one step apart).
 AGREEMENT_INTERVAL = 0.1
 #: The most step boundaries between two agreements.
 MAX_SPACING = 1000
 
-# Positions in the flag vector: stop, checkpoint due, minus the proposed spacing, the resumed
-# checkpoint's sequence number and its negation (max and -min: all must be equal), rank 0's
-# generation and the newer one that fenced it (0 on the other ranks, and when not fenced), and in
-# live mode the join requests rank 0 saw, whether a member leaves and whether a snapshot is due.
-_STOP, _CHECKPOINT, _SPACING, _SEQ, _NEG_SEQ, _GENERATION, _NEWER, _JOINS, _LEAVE, _SNAPSHOT = range(10)
-
-
-SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+#: The position of the loop in progress, for a checkpoint's manifest (epoch, step, loader, ...).
+Metadata = Callable[[], dict[str, Any]]
+#: The agreed fields that wait, once agreed, until they are acted on (a stop and a due checkpoint at the next
+#: agreement boundary, a membership change there too, a snapshot at the loader's next boundary).
+_CARRIED = ("stop", "checkpoint_due", "joins", "leave", "drains", "snapshot")
 
 
 @dataclasses.dataclass
 class Agreement:
-    """The stop and checkpoint agreement between replicas: its record on the job context."""
+    """The per-step agreement between replicas: its record on the job context."""
 
-    stop_requested: bool = False
-    stop_signal: int | None = None
-    handlers_installed: bool = False
-    previous_handlers: dict[int, SignalHandler] = dataclasses.field(default_factory=dict)
     pending: tuple[collectives.Waitable, int] | None = None  # the agreement in flight, saves done when issued
-    decided: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (stop, checkpoint) to act on
-    membership: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # (joins, leave) agreed
-    snapshot: bool = False  # live mode: an in-memory snapshot was agreed (the loader takes it)
+    decided: StepFlags = dataclasses.field(default_factory=StepFlags)  # agreed, not acted on yet (_CARRIED)
     spacing: int = 1  # step boundaries from one agreement to the next (agreed by all replicas)
     countdown: int = 0  # step boundaries left until the next agreement
     agreed_at: float | None = None  # when the last agreement started (monotonic)
-    metadata: Callable[[], dict[str, Any]] = dict  # describes the position of the loop in progress
+    metadata: Metadata = dict  # describes the position of the loop in progress
 
 
 def _agreement() -> Agreement:
     """This job's agreement record (see :mod:`adaptive.runtime.job`)."""
     return current_job().part(Agreement)
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    agreement = _agreement()
-    if (agreement.stop_requested or live.leave_requested()) and signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    if membership.is_live():  # one member stopped: it leaves, the others go on
-        if not membership.is_member():  # still joining (or waiting to be admitted): it holds nothing to save
-            logger.warning("received %s while joining the live job; leaving it (nothing to save)",
-                           signal.Signals(signum).name)
-            current_job().exiting = True
-            raise SystemExit(GRACEFUL_EXIT_CODE)
-        if live.leave_requested():
-            return
-        live.request_leave()
-        logger.warning("received %s: leaving the live job at the next agreed step; the other members continue",
-                       signal.Signals(signum).name)
-        return
-    agreement.stop_requested = True
-    agreement.stop_signal = signum
-    logger.warning("received %s: asking every replica to stop at the same step, checkpoint and exit",
-                   signal.Signals(signum).name)
-
-
-def install_signal_handlers() -> None:
-    """Turn SIGTERM and SIGINT into a graceful, agreed stop (main thread only)."""
-    agreement = _agreement()
-    if agreement.handlers_installed or threading.current_thread() is not threading.main_thread():
-        return
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        agreement.previous_handlers[signum] = signal.signal(signum, _on_signal)
-    agreement.handlers_installed = True
-    launch_status.clear_earlier_reports()
-    peer_failure.install()
-
-
-def request_stop() -> None:
-    """Ask for a graceful stop from code, as SIGTERM would."""
-    _agreement().stop_requested = True
-
-
-def stop_requested() -> bool:
-    """Whether this replica was asked to stop (not yet agreed with the others)."""
-    return _agreement().stop_requested
 
 
 def _checkpoint_due() -> bool:
@@ -197,120 +132,78 @@ def _proposed_spacing() -> int:
     return max(1, min(MAX_SPACING, round(AGREEMENT_INTERVAL / per_boundary)))
 
 
-def _local_flags() -> list[float]:
-    # The max over replicas of minus the spacing is minus the smallest spacing proposed.
-    seq = float(states.resumed_seq())
-    generation, newer = _generation_flags()
-    return [float(_agreement().stop_requested), float(_checkpoint_due()), -float(_proposed_spacing()), seq, -seq,
-            generation, newer, float(live.joins_seen()), float(live.leave_requested()), float(live.snapshot_due())]
+def _local_flags() -> StepFlags:
+    """What this replica says at the agreement it issues now."""
+    folder_generation, newer = _folder_generations()
+    return StepFlags(stop=stop_requested(), checkpoint_due=_checkpoint_due(), spacing=_proposed_spacing(),
+                     resumed_seq=states.resumed_seq(), folder_generation=folder_generation,
+                     newer_folder_generation=newer, joins=live.joins_seen(), leave=live.leave_requested(),
+                     drains=live.drains_seen(), snapshot=live.snapshot_due())
 
 
-def _generation_flags() -> tuple[float, float]:
-    """Rank 0's generation and, once it is stale, the newer one (checked at most every second)."""
-    stale = states.stale_generation()
+def _folder_generations() -> tuple[int, int]:
+    """Rank 0's generation of the checkpoint folder and, once it is stale, the newer one (checked at most every
+    second)."""
+    stale = fencing.stale_generation()
     if stale is not None:
-        return float(stale.mine), float(stale.newest_number or stale.mine + 1)
-    generation = states.generation()
-    return (0.0 if generation is None else float(generation.number)), 0.0
+        return stale.mine, stale.newest_number or stale.mine + 1
+    generation = fencing.generation()
+    return (0 if generation is None else generation.number), 0
 
 
-def _issue() -> tuple[Any, int]:
+def _issue() -> tuple[collectives.Waitable, int]:
     """Start an agreement on this replica's flags now."""
-    return collectives.allreduce_max_async(_local_flags()), states.save_count()
+    return collectives.allreduce_max_async(_local_flags().encode()), states.save_count()
 
 
-def _settle(pending: tuple[collectives.Waitable, int], recoverable: bool = False) -> list[float]:
-    """Wait for an agreement and fold its decision into ``_agreement().decided``.
+def _settle(pending: tuple[collectives.Waitable, int], recoverable: bool = False) -> StepFlags:
+    """Wait for an agreement and carry what it decided (``_agreement().decided``) until it is acted on.
 
     A lost peer ends the process, unless ``recoverable`` in live mode: then
     the error is raised for the loader to re-form the members.
     """
     waitable, saves_then = pending
     try:
-        agreed = waitable.result()
+        agreed = StepFlags.decode(waitable.result())
     except collectives.CollectiveError as error:
         if recoverable and membership.is_live():
             raise
         peer_failure.report(error)
         raise SystemExit(PEER_FAILED_EXIT_CODE) from error
-    if agreed[_SEQ] != -agreed[_NEG_SEQ]:
+    if "resumed_seq" in agreed.mismatches:
+        lowest, highest = agreed.mismatches["resumed_seq"]
         raise states.CheckpointError(
-            "replicas resumed from different checkpoints (sequence numbers "
-            f"{-agreed[_NEG_SEQ]:.0f} to {agreed[_SEQ]:.0f}; -1 is none): every node must see the same "
-            f"ADAPTIVE_CHECKPOINT_PATH ({env.checkpoint_path()}) on shared storage"
+            f"replicas resumed from different checkpoints (sequence numbers {lowest} to {highest}; -1 is none): "
+            f"every node must see the same ADAPTIVE_CHECKPOINT_PATH ({env.checkpoint_path()}) on shared storage"
         )
-    if agreed[_NEWER] > 0:
-        _exit_stale(int(agreed[_GENERATION]), int(agreed[_NEWER]))
-    decided, change = _agreement().decided, _agreement().membership
-    decided[0] = max(decided[0], agreed[_STOP])
-    if saves_then == states.save_count():  # a flag raised before the last save is already served
-        decided[1] = max(decided[1], agreed[_CHECKPOINT])
-    change[0], change[1] = max(change[0], agreed[_JOINS]), max(change[1], agreed[_LEAVE])
-    _agreement().snapshot = _agreement().snapshot or agreed[_SNAPSHOT] > 0
+    if agreed.newer_folder_generation > 0:
+        stopping.exit_stale(agreed.folder_generation, agreed.newer_folder_generation)
+    if saves_then != states.save_count():  # a flag raised before the last save is already served
+        agreed.checkpoint_due = False
+    agreement = _agreement()
+    agreement.decided = agreement.decided.merged(agreed, *_CARRIED)
     return agreed
 
 
-def _act(metadata: Callable[[], dict[str, Any]]) -> None:
+def _act(metadata: Metadata) -> None:
     """Act on what all replicas agreed: stop (checkpoint, exit 143) or checkpoint."""
-    stop, due = _agreement().decided
-    _agreement().decided[:] = [0.0, 0.0]
-    if stop > 0:
-        _stop(dict(metadata(), reason="stop"))
+    decided = _agreement().decided
+    stop, due = decided.stop, decided.checkpoint_due
+    decided.stop = decided.checkpoint_due = False
+    if stop:
+        stopping.stop_and_exit(dict(metadata(), reason="stop"))
     # A save agreed before another checkpoint was written (the finished one, between the agreement and its
     # settling) would repeat it, after it: skipped, the same way on every replica (each counts the same steps
     # since the last save; a live joiner takes the members' count with the state).
-    if due > 0 and step_records.stream().steps_committed != states.steps_at_last_save():
-        save_or_exit(dict(metadata(), reason="periodic"),
-                     blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT
+    if due and step_records.stream().steps_committed != states.steps_at_last_save():
+        stopping.save_or_exit(dict(metadata(), reason="periodic"),
+                              blocking=not states.periodic_saves_asynchronous())  # ADAPTIVE_ASYNC_CHECKPOINT
 
 
-def save_or_exit(info: dict[str, Any], *, blocking: bool = True) -> int:
-    """The library's own saves: :func:`~adaptive.checkpoint.states.save_all_states`, and if a newer
-    generation fenced this incarnation, the agreed stop of a stale incarnation instead of an error."""
-    try:
-        return states.save_all_states(info, blocking=blocking)
-    except StaleGenerationError as error:
-        _exit_stale(error.mine, error.newest_number or error.mine + 1)
-        raise  # not reached
-
-
-def _exit_stale(mine: int, newest: int) -> None:
-    """Stop this stale incarnation: say so once per rank, tell adaptive-run, write nothing, exit."""
-    message = (f"generation {mine} of this job is stale: generation {newest} took over the checkpoint folder "
-               f"{env.checkpoint_path()} (a relaunch, or the same job launched twice); this incarnation "
-               f"publishes nothing and exits with {STALE_GENERATION_EXIT_CODE}")
-    logger.error("%s", message)
-    launch_status.report_stale(mine, newest, message)
-    current_job().exiting = True
-    raise SystemExit(STALE_GENERATION_EXIT_CODE)
-
-
-def _stop(info: dict[str, Any]) -> None:
-    """Save the stop's checkpoint and exit: 143 when it is durable, 1 (saying why) when not.
-
-    An asynchronous save still in flight is finished first (its failure is
-    logged; the stop's own checkpoint is written either way).
-    """
-    states.wait_for_pending_save()
-    try:
-        seq = save_or_exit(info)
-    except Exception as error:
-        reason = f"{type(error).__name__}: {error}"
-        if peer_failure.is_peer_failure(error):
-            peer_failure.report(error)
-            launch_status.confirm_stop(ok=False, reason=f"a peer replica failed ({reason})")
-            raise SystemExit(PEER_FAILED_EXIT_CODE) from error
-        logger.error("the stop could not write its checkpoint (%s); the job will resume from the last complete "
-                     "checkpoint in %s; exiting with %d", reason, env.checkpoint_path(), STOP_FAILED_EXIT_CODE)
-        launch_status.confirm_stop(ok=False, reason=reason)
-        current_job().exiting = True
-        raise SystemExit(STOP_FAILED_EXIT_CODE) from error
-    launch_status.confirm_stop(ok=True, seq=seq)
-    current_job().exiting = True
-    logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
-               "stopped gracefully at epoch %s, step %s (checkpoint %s); exiting with %d",
-               info.get("epoch"), info.get("step"), seq, GRACEFUL_EXIT_CODE)
-    raise SystemExit(GRACEFUL_EXIT_CODE)
+def _change_agreed() -> bool:
+    """Live mode: whether a membership change was agreed (someone joins, leaves or is drained)."""
+    decided = _agreement().decided
+    return bool(decided.joins or decided.leave or decided.drains)
 
 
 def last_position() -> dict[str, Any]:
@@ -324,7 +217,7 @@ def restart_spacing() -> None:
     agreement.spacing, agreement.countdown, agreement.agreed_at = 1, 0, None
 
 
-def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
+def step_boundary(metadata: Metadata) -> None:
     """Call between two steps on every replica; may checkpoint or exit.
 
     At an agreement boundary, acts on the flags agreed at the previous one
@@ -347,13 +240,13 @@ def step_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
         agreement.agreed_at = time.monotonic()
         if previous is not None:
             agreed = _settle(previous, recoverable=True)
-            agreement.spacing = max(1, int(-agreed[_SPACING]))
+            agreement.spacing = max(1, agreed.spacing)
     except collectives.CollectiveError as error:
         _record_loss(error)
         return
     _act(metadata)
     agreement.countdown = agreement.spacing
-    if any(agreement.membership):
+    if _change_agreed():
         _change_membership(metadata)
 
 
@@ -372,20 +265,18 @@ def forget_decisions() -> None:
     """
     agreement = _agreement()
     agreement.pending = None
-    agreement.decided[:] = [0.0, 0.0]
-    agreement.membership[:] = [0.0, 0.0]
-    agreement.snapshot = False
+    agreement.decided = StepFlags()
     restart_spacing()
 
 
 def snapshot_agreed() -> bool:
     """Live mode: whether the members agreed on an in-memory snapshot at this boundary (the flag is consumed)."""
-    agreement = _agreement()
-    agreed, agreement.snapshot = agreement.snapshot, False
+    decided = _agreement().decided
+    agreed, decided.snapshot = decided.snapshot, False
     return agreed
 
 
-def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
+def _change_membership(metadata: Metadata) -> None:
     """Act on an agreed live membership change (see :mod:`adaptive.elastic.live`); every member calls it.
 
     The agreement issued at this boundary is settled first: every member of
@@ -396,24 +287,22 @@ def _change_membership(metadata: Callable[[], dict[str, Any]]) -> None:
     if pending is not None:
         _settle(pending)
         _act(metadata)  # what the old generation agreed is done by it: a joiner knows nothing of it
-    joins = int(agreement.membership[0])
-    agreement.membership[:] = [0.0, 0.0]
-    agreement.snapshot = False
+    decided = agreement.decided
+    joins, drains = decided.joins, decided.drains
+    decided.joins, decided.leave, decided.drains, decided.snapshot = 0, False, 0, False
     try:
-        outcome = live.change(joins, dict(metadata()))
+        outcome = live.change(joins, dict(metadata()), drains=drains)
     except collectives.CollectiveError as error:  # a member (or a joiner) was lost during the change
         _record_loss(error)
         return
     restart_spacing()
     if outcome is live.Outcome.STOP:
-        _stop(dict(metadata(), reason="stop"))
+        stopping.stop_and_exit(dict(metadata(), reason="stop"))
     if outcome is live.Outcome.LEAVE:
-        launch_status.confirm_stop(ok=True, seq=None, left=True)
-        current_job().exiting = True
-        raise SystemExit(GRACEFUL_EXIT_CODE)
+        stopping.leave_and_exit()
 
 
-def settle(metadata: Callable[[], dict[str, Any]] | None = None, *, recoverable: bool = False) -> None:
+def settle(metadata: Metadata | None = None, *, recoverable: bool = False) -> None:
     """Agree now, blocking, on every replica, and act on the result.
 
     Used where a stop must not wait: before a loop's first and last steps
@@ -438,7 +327,7 @@ def settle(metadata: Callable[[], dict[str, Any]] | None = None, *, recoverable:
     _act(metadata or agreement.metadata)
 
 
-def final_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
+def final_boundary(metadata: Metadata) -> None:
     """Call on every replica when a loop has taken its last step (the loader, before the loop ends).
 
     The agreement in flight is settled, but a stop it carries is *not* acted
@@ -458,18 +347,3 @@ def final_boundary(metadata: Callable[[], dict[str, Any]]) -> None:
             _record_loss(error)
             return
     restart_spacing()
-
-
-def _restore_signal_handlers(job: Job) -> None:
-    """Give back the signal handlers a reset job had installed (see :func:`adaptive.runtime.job.reset_job`)."""
-    if not job.has_part(Agreement):
-        return
-    agreement = job.part(Agreement)
-    if agreement.handlers_installed and threading.current_thread() is threading.main_thread():
-        for signum, handler in agreement.previous_handlers.items():
-            signal.signal(signum, handler)
-        agreement.handlers_installed = False
-
-
-on_reset(_restore_signal_handlers)
-

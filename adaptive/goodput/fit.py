@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from adaptive.goodput.model import GAMMA_MAX, PERF_FIELDS, PerfParams, overlap
 
@@ -241,8 +242,8 @@ def _vector_from_params(params: PerfParams) -> np.ndarray:
     return np.array([math.log(v) for v in values] + [z_gamma])
 
 
-def _as_observations(num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any,
-                     step_time: Any, compute_time: Any, sync_time: Any) -> _Observations:
+def _as_observations(num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike, accum_steps: ArrayLike,
+                     step_time: ArrayLike, compute_time: ArrayLike, sync_time: ArrayLike) -> _Observations:
     arrays = {}
     names = ("num_nodes", "num_replicas", "local_bsz", "accum_steps", "step_time", "compute_time", "sync_time")
     values = (num_nodes, num_replicas, local_bsz, accum_steps, step_time, compute_time, sync_time)
@@ -266,8 +267,8 @@ def _as_observations(num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_st
                          arrays["accum_steps"], arrays["step_time"], arrays["compute_time"], arrays["sync_time"])
 
 
-def fit_perf_params(num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any,
-                    step_time: Any, compute_time: Any, sync_time: Any, *,
+def fit_perf_params(num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike, accum_steps: ArrayLike,
+                    step_time: ArrayLike, compute_time: ArrayLike, sync_time: ArrayLike, *,
                     initial: PerfParams | None = None) -> PerfParams:
     """Fit :class:`PerfParams` to measured times (one entry per configuration).
 

@@ -48,10 +48,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 from adaptive._utils.checks import check_bool, check_float, check_int
 from adaptive._utils.files import write_json_atomic
+from adaptive._utils.types import JSON, StateDict
 from adaptive.checkpoint.versions import UNVERSIONED, Format, StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GoodputFunction, GradParams, PerfParams
 
@@ -67,7 +68,7 @@ _HINT_FIELDS = ("version", "job_id", "timestamp", "init_batch_size", "max_batch_
                 "max_profiled_nodes", "progress", "current", "completed_fraction")
 
 
-def _v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
+def _v1_to_v2(fields: StateDict) -> StateDict:
     """A version 1 document predates ``completed_fraction``: it reads as null (nothing declared)."""
     if "completed_fraction" in fields:
         raise StateFormatError(f"{_field('completed_fraction')} is not part of hints format version 1; "
@@ -85,7 +86,7 @@ def _field(name: str) -> str:
     return f"hints field {name!r}"
 
 
-def _check_keys(fields: Mapping[str, Any]) -> None:
+def _check_keys(fields: Mapping[str, object]) -> None:
     """StateFormatError unless ``fields`` (a document without its version, in
     the current format) has exactly the hints fields."""
     unknown = sorted(k for k in fields if k not in _HINT_FIELDS)
@@ -96,7 +97,7 @@ def _check_keys(fields: Mapping[str, Any]) -> None:
         raise StateFormatError(f"hints are missing fields {missing}")
 
 
-def _nested(record: PerfParams | GradParams | CurrentConfig | None) -> dict[str, Any] | None:
+def _nested(record: PerfParams | GradParams | CurrentConfig | None) -> StateDict | None:
     """A record as the hints document holds it: its fields without a version of
     their own (the document's ``version`` covers its parts, and every release's
     scheduler reads this layout)."""
@@ -146,7 +147,7 @@ class CurrentConfig:
         return {"version": self.version, **{name: getattr(self, name) for name in _CURRENT_FIELDS}}
 
     @classmethod
-    def from_state_dict(cls, state: Any) -> CurrentConfig:
+    def from_state_dict(cls, state: object) -> CurrentConfig:
         """Validated inverse of :meth:`state_dict` (as in hints: without a version, read as version 1)."""
         fields = read_state(_field("current"), state, cls, unversioned=UNVERSIONED)
         check_fields(_field("current"), fields, _CURRENT_FIELDS)
@@ -219,7 +220,7 @@ class Hints:
 
     # ------------------------------------------------------------ conversion
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> Hints:
+    def from_state_dict(cls, state: Mapping[str, object]) -> Hints:
         """Parse and validate the JSON form; unknown keys are rejected.
 
         An older format version is migrated explicitly (a version 1
@@ -248,7 +249,7 @@ class Hints:
         except TypeError as exc:  # a wrong type in a document is a bad document
             raise StateFormatError(str(exc)) from None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JSON:
         """The JSON form (plain dicts, lists and numbers), format :data:`HINTS_VERSION`."""
         return {
             "version": self.version,

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from adaptive._utils.checks import check_float, check_int
+from adaptive._utils.types import StateDict
 from adaptive.checkpoint.versions import UNVERSIONED, check_fields, read_state
 from adaptive.goodput import search
 
@@ -91,12 +93,12 @@ class PerfParams:
         if self.alpha_c + self.beta_c <= 0:
             raise ValueError("PerfParams.alpha_c + beta_c must be > 0 (compute time cannot be zero)")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The seven parameters and the format version, JSON-ready."""
         return {"version": self.version, **{name: getattr(self, name) for name in PERF_FIELDS}}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> PerfParams:
+    def from_state_dict(cls, state: Mapping[str, object]) -> PerfParams:
         """Validated inverse of :meth:`state_dict` (exactly the seven fields)."""
         fields = read_state("perf_params", state, cls, unversioned=UNVERSIONED)
         check_fields("perf_params", fields, PERF_FIELDS)
@@ -126,12 +128,12 @@ class GradParams:
         if self.sqr + self.var <= 0:
             raise ValueError("GradParams.sqr and GradParams.var cannot both be 0")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """``sqr``, ``var`` and the format version, JSON-ready."""
         return {"version": self.version, "sqr": self.sqr, "var": self.var}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> GradParams:
+    def from_state_dict(cls, state: Mapping[str, object]) -> GradParams:
         """Validated inverse of :meth:`state_dict` (exactly ``sqr`` and ``var``)."""
         fields = read_state("grad_params", state, cls, unversioned=UNVERSIONED)
         check_fields("grad_params", fields, _GRAD_FIELDS)
@@ -143,12 +145,12 @@ class GradParams:
 # calls these; the fit (adaptive.goodput.fit) evaluates overlap() for many
 # parameter vectors at once.  The formulas are in the module docstring.
 
-def _compute_time(p: PerfParams, local_bsz: Any) -> np.ndarray:
+def _compute_time(p: PerfParams, local_bsz: ArrayLike) -> np.ndarray:
     """Seconds of one micro-batch's forward and backward."""
     return p.alpha_c + p.beta_c * np.asarray(local_bsz, dtype=float)
 
 
-def _sync_time(p: PerfParams, num_nodes: Any, num_replicas: Any) -> np.ndarray:
+def _sync_time(p: PerfParams, num_nodes: ArrayLike, num_replicas: ArrayLike) -> np.ndarray:
     """Seconds of one gradient synchronisation (0 for one replica)."""
     nodes = np.asarray(num_nodes, dtype=float)
     replicas = np.asarray(num_replicas, dtype=float)
@@ -158,7 +160,7 @@ def _sync_time(p: PerfParams, num_nodes: Any, num_replicas: Any) -> np.ndarray:
     return np.where(replicas > 1, np.where(nodes > 1, multi_node, one_node), 0.0)
 
 
-def overlap(compute: np.ndarray, sync: np.ndarray, gamma: Any) -> np.ndarray:
+def overlap(compute: np.ndarray, sync: np.ndarray, gamma: float | np.ndarray) -> np.ndarray:
     """``(compute**gamma + sync**gamma) ** (1/gamma)`` without overflow."""
     high = np.maximum(compute, sync)
     low = np.minimum(compute, sync)
@@ -167,7 +169,8 @@ def overlap(compute: np.ndarray, sync: np.ndarray, gamma: Any) -> np.ndarray:
     return combined
 
 
-def _step_time(p: PerfParams, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> np.ndarray:
+def _step_time(p: PerfParams, num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike,
+               accum_steps: ArrayLike) -> np.ndarray:
     """Seconds of one optimizer step: ``accum_steps - 1`` plain micro-batches,
     then one whose backward overlaps the synchronisation."""
     compute = _compute_time(p, local_bsz)
@@ -177,21 +180,21 @@ def _step_time(p: PerfParams, num_nodes: Any, num_replicas: Any, local_bsz: Any,
     return step
 
 
-def _efficiency(g: GradParams, init_batch_size: int, batch_size: Any) -> np.ndarray:
+def _efficiency(g: GradParams, init_batch_size: int, batch_size: ArrayLike) -> np.ndarray:
     """``gain / scale`` of a global batch (batches below the reference count as 1)."""
     scale = np.maximum(np.asarray(batch_size, dtype=float) / init_batch_size, 1.0)
     return (g.var + g.sqr) / (g.var + scale * g.sqr)
 
 
-def _as_output(value: Any, scalar: bool, kind: type) -> Any:
-    return kind(value) if scalar else np.asarray(value)
+def _as_output(value: np.ndarray, scalar: bool) -> float | np.ndarray:
+    return float(value) if scalar else np.asarray(value)
 
 
-def _all_scalar(*values: Any) -> bool:
+def _all_scalar(*values: ArrayLike) -> bool:
     return all(np.ndim(v) == 0 for v in values)
 
 
-def _check_at_least_one(values: Any, name: str) -> np.ndarray:
+def _check_at_least_one(values: ArrayLike, name: str) -> np.ndarray:
     array = np.asarray(values, dtype=float)
     if not np.all(np.isfinite(array)) or np.any(array < 1):
         raise ValueError(f"{name} must be >= 1 everywhere, got {values!r}")
@@ -229,22 +232,24 @@ class GoodputFunction:
     def init_batch_size(self) -> int:
         return self._init
 
-    def step_time(self, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> Any:
+    def step_time(self, num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike,
+                  accum_steps: ArrayLike) -> float | np.ndarray:
         """Predicted seconds per optimizer step (numpy-broadcastable)."""
         scalar = _all_scalar(num_nodes, num_replicas, local_bsz, accum_steps)
         for value, name in ((num_nodes, "num_nodes"), (num_replicas, "num_replicas"),
                             (local_bsz, "local_bsz"), (accum_steps, "accum_steps")):
             _check_at_least_one(value, name)
-        return _as_output(_step_time(self._perf, num_nodes, num_replicas, local_bsz, accum_steps), scalar, float)
+        return _as_output(_step_time(self._perf, num_nodes, num_replicas, local_bsz, accum_steps), scalar)
 
-    def throughput(self, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> Any:
+    def throughput(self, num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike,
+                   accum_steps: ArrayLike) -> float | np.ndarray:
         """Predicted samples per second (numpy-broadcastable)."""
         step = self.step_time(num_nodes, num_replicas, local_bsz, accum_steps)
         samples = (np.asarray(num_replicas, dtype=float) * np.asarray(local_bsz, dtype=float)
                    * np.asarray(accum_steps, dtype=float))
         return samples / step if np.ndim(step) else float(samples / step)
 
-    def efficiency(self, batch_size: Any) -> Any:
+    def efficiency(self, batch_size: ArrayLike) -> float | np.ndarray:
         """Statistical efficiency in (0, 1] of a global batch of ``batch_size``.
 
         ``gain / scale`` with ``scale = batch_size / init_batch_size``;
@@ -252,9 +257,10 @@ class GoodputFunction:
         is not trusted to reward them).
         """
         _check_at_least_one(batch_size, "batch_size")
-        return _as_output(_efficiency(self._grad, self._init, batch_size), np.ndim(batch_size) == 0, float)
+        return _as_output(_efficiency(self._grad, self._init, batch_size), np.ndim(batch_size) == 0)
 
-    def evaluate(self, num_nodes: Any, num_replicas: Any, local_bsz: Any, accum_steps: Any) -> Any:
+    def evaluate(self, num_nodes: ArrayLike, num_replicas: ArrayLike, local_bsz: ArrayLike,
+                 accum_steps: ArrayLike) -> float | np.ndarray:
         """Goodput: throughput x efficiency(num_replicas * local_bsz * accum_steps)."""
         throughput = self.throughput(num_nodes, num_replicas, local_bsz, accum_steps)
         batch = (np.asarray(num_replicas, dtype=float) * np.asarray(local_bsz, dtype=float)
@@ -269,9 +275,9 @@ class GoodputFunction:
         goodput: np.ndarray = batch / step * _efficiency(self._grad, self._init, batch)
         return goodput
 
-    def optimize(self, num_nodes: Any, num_replicas: Any, max_batch_size: int | None = None,
-                 local_bsz_bounds: Sequence[int | None] | None = None,
-                 gradient_accumulation: bool = False) -> tuple[Any, Any, Any]:
+    def optimize(self, num_nodes: ArrayLike, num_replicas: ArrayLike, max_batch_size: int | None = None,
+                 local_bsz_bounds: Sequence[int | None] | None = None, gradient_accumulation: bool = False
+                 ) -> tuple[float, int, int] | tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Best ``(goodput, local_bsz, accum_steps)`` for each placement.
 
         Searches every integer ``local_bsz`` within ``local_bsz_bounds`` and

@@ -32,11 +32,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from adaptive._utils.checks import check_int
+from adaptive._utils.types import StateDict
 
 __all__ = ["BatchConfig", "estimate_from_norms", "Measurement", "NoiseAverages", "DIRECT", "DIFFERENCED"]
 
@@ -92,7 +94,7 @@ class BatchConfig:
         return self.global_batch_size / self.init_batch_size
 
 
-def estimate_from_norms(small_sqr: Any, big_sqr: Any, count: int, small_batch: int,
+def estimate_from_norms(small_sqr: ArrayLike, big_sqr: ArrayLike, count: int, small_batch: int,
                         init_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Unbiased ``(|G|^2, tr(Sigma) / init_batch_size)`` from two squared norms.
 
@@ -257,13 +259,13 @@ class NoiseAverages:
         self.estimator = None
         self._magnitude = _Magnitude()
 
-    def state_fields(self) -> dict[str, Any]:
+    def state_fields(self) -> StateDict:
         """The averages as plain floats, lists and strings (part of the estimator's state)."""
         return {"sqr": self.sqr.tolist(), "var": self.var.tolist(), "weight": self.weight,
                 "estimator": self.estimator or "", "magnitude": self._magnitude.state(),
                 "updates": self.updates, "skipped": self.skipped}
 
-    def load_fields(self, fields: dict[str, Any]) -> None:
+    def load_fields(self, fields: StateDict) -> None:
         """Restore :meth:`state_fields` (same number of groups, checked by the caller)."""
         self.sqr = np.asarray(fields["sqr"], dtype=float).copy()
         self.var = np.asarray(fields["var"], dtype=float).copy()

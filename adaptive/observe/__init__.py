@@ -5,6 +5,8 @@
 ``adaptive`` console command.
 """
 
+from typing import TYPE_CHECKING
+
 from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
@@ -20,3 +22,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from adaptive.observe.metrics import MetricsWriter, read_metrics, to_tensorboard
+    from adaptive.observe.report import format_summary, load_run, render_png, summarize

@@ -7,9 +7,16 @@ Subcommands:
     ``RUN_DIR/report.png``); see :mod:`adaptive.observe.report`.  ``RUN_DIR`` is the
     job's ``ADAPTIVE_SHARE_PATH``, the folder above it, or the metrics file.
 
-Exit status: 0 on success, 1 when the metrics cannot be read or drawn,
-2 for bad arguments, 3 when the summary was printed but matplotlib (the
-``report`` extra) is missing for the PNG.
+``adaptive drain --endpoint HOST:PORT --job-id JOB --node N``
+    Ask the members of node ``N`` of a live job (``adaptive-run --live``) to
+    leave at the job's next agreed step, with nothing lost, before a planned
+    stop of that machine; the others go on, and the node's launcher ends
+    with 143.  See :mod:`adaptive.runtime.draining`.
+
+Exit status: 0 on success, 1 when the metrics cannot be read or drawn
+(``drain``: when the job's store cannot be reached), 2 for bad arguments, 3
+when the summary was printed but matplotlib (the ``report`` extra) is
+missing for the PNG.
 
 The launcher has its own command, ``adaptive-run`` (:mod:`adaptive.elastic.launcher`).
 """
@@ -46,6 +53,17 @@ def _parser() -> argparse.ArgumentParser:
                           "a file)")
     run.add_argument("--no-png", action="store_true", help="print the summary only")
     run.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    drain = commands.add_parser("drain", help="let a node's members leave a live job before a planned stop",
+                                description="Ask the members of one node of a live job (adaptive-run --live) to "
+                                            "leave at its next agreed step; the other members go on.")
+    drain.add_argument("--endpoint", required=True, metavar="HOST:PORT",
+                       help="the job's store: the --rdzv-endpoint its launchers were given")
+    drain.add_argument("--job-id", required=True, metavar="JOB",
+                       help="the live job's id (ADAPTIVE_JOB_ID, else its script's name)")
+    drain.add_argument("--node", required=True, type=int, metavar="N",
+                       help="the node number, as its launcher's log says it ('node N')")
+    drain.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="how long to try to reach the store (default 10)")
     return parser
 
 
@@ -78,12 +96,39 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drain(args: argparse.Namespace) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    from adaptive.runtime import draining, membership
+
+    host, _, port = args.endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"adaptive drain: --endpoint must be HOST:PORT, got {args.endpoint!r}", file=sys.stderr)
+        return 2
+    if args.node < 1:
+        print(f"adaptive drain: --node must be a node number >= 1, got {args.node}", file=sys.stderr)
+        return 2
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=args.timeout))
+        draining.request_drain(membership.job_store(store, args.job_id), args.node)
+    except (RuntimeError, OSError) as error:
+        print(f"adaptive drain: cannot reach the job's store at {args.endpoint}: {error}", file=sys.stderr)
+        return 1
+    print(f"asked node {args.node} of job {args.job_id!r} to drain")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``adaptive`` console command; returns the exit status."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.command == "report":
         return _report(args)
+    if args.command == "drain":
+        return _drain(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse only accepts known commands
 
 

@@ -24,11 +24,12 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Protocol
 
+from adaptive._utils.types import JSON
 from adaptive.runtime import env
 
-__all__ = ["MetricsWriter", "metrics_path", "metrics_interval", "read_metrics", "to_tensorboard",
+__all__ = ["MetricsWriter", "ScalarWriter", "metrics_path", "metrics_interval", "read_metrics", "to_tensorboard",
            "tensorboard_prefix", "DEFAULT_TAG_PREFIX", "SCALARS"]
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,17 @@ def metrics_path() -> str:
 
 def metrics_interval() -> int:
     """Optimizer steps between step records (``ADAPTIVE_METRICS_INTERVAL``, default 10; 0 = off)."""
-    raw = os.environ.get("ADAPTIVE_METRICS_INTERVAL", "10")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable ADAPTIVE_METRICS_INTERVAL={raw!r} must be an integer") from None
-    if value < 0:
-        raise ValueError(f"environment variable ADAPTIVE_METRICS_INTERVAL={value} must be >= 0")
-    return value
+    return env.metrics_interval()
 
 
-def _clean(value: Any) -> Any:
+class ScalarWriter(Protocol):
+    """What :func:`to_tensorboard` writes to: a TensorBoard ``SummaryWriter`` or anything with its ``add_scalar``."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> object:
+        """Record ``scalar_value`` under ``tag`` at ``global_step``."""
+
+
+def _clean(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
@@ -72,7 +73,7 @@ class MetricsWriter:
         self.enabled = env.rank() == 0
         self._warned = False
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: JSON) -> None:
         """Append one record (adds ``time`` and ``pid``)."""
         if not self.enabled:
             return
@@ -87,12 +88,12 @@ class MetricsWriter:
                                self.path, error)
                 self._warned = True
 
-    def event(self, name: str, **fields: Any) -> None:
+    def event(self, name: str, **fields: object) -> None:
         """Append an event record."""
         self.write({"event": name, **fields})
 
 
-def read_metrics(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def read_metrics(path: str) -> tuple[list[JSON], list[JSON]]:
     """(step records, events) of a metrics file or of a folder holding ``metrics.jsonl``.
 
     Lines that do not parse (a line cut by a crash) are skipped.
@@ -101,8 +102,8 @@ def read_metrics(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics file at {path}; point at a job's ADAPTIVE_SHARE_PATH")
-    steps: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
+    steps: list[JSON] = []
+    events: list[JSON] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -131,7 +132,7 @@ def tensorboard_prefix(tag_prefix: str = "") -> str:
     return tag_prefix if tag_prefix.endswith("/") else tag_prefix + "/"
 
 
-def to_tensorboard(writer: Any, record: dict[str, Any], step: int | None = None, *, tag_prefix: str = "") -> None:
+def to_tensorboard(writer: ScalarWriter, record: JSON, step: int | None = None, *, tag_prefix: str = "") -> None:
     """Write a step record's scalars (the fields in :data:`SCALARS`) to a TensorBoard ``SummaryWriter``.
 
     Args:

@@ -25,25 +25,34 @@ import collections
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TypedDict
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from adaptive._utils import torch_internals
 from adaptive._utils.checks import check_int
+from adaptive._utils.types import StateDict
 from adaptive.runtime import env, fault_tolerant_group, membership
 from adaptive.runtime.job import current_job
 
 __all__ = ["sharding_mesh", "sharding_mesh_like", "live_shard_size", "apply_fully_shard", "check_rebindable",
            "rebind_optimizer", "parameter_names", "is_fully_sharded", "module_mesh", "meta_copy", "move_optimizer",
-           "is_fault_tolerant", "ShardPolicy", "FSDP_OPTIONS"]
+           "is_fault_tolerant", "ShardPolicy", "FSDP_OPTIONS", "FSDPOptions"]
 
 logger = logging.getLogger(__name__)
 
 #: The ``fully_shard`` keyword arguments :class:`~adaptive.AdaptiveFSDP` passes on.
 FSDP_OPTIONS = ("reshard_after_forward", "mp_policy")
+
+
+class FSDPOptions(TypedDict, total=False):
+    """:data:`FSDP_OPTIONS` with their types (as ``fully_shard`` takes them)."""
+
+    reshard_after_forward: bool | int | None
+    mp_policy: MixedPrecisionPolicy
 
 #: What ``shard=`` accepts: ``"blocks"``, ``"root"``, module classes, or ``(name, module) -> bool``.
 ShardPolicy = str | type | Sequence[type] | Callable[[str, torch.nn.Module], bool]
@@ -154,11 +163,8 @@ def _forget_earlier_meshes() -> None:
     an HSDP job went back to its first layout (2, 2) -> (1, 3) -> (2, 2).
     The caches fill again within a step.
     """
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()  # the Python cache
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ (newer torch)
-    if clear_native is not None:
-        clear_native()
+    torch_internals.clear_dtensor_python_sharding_cache()
+    torch_internals.clear_dtensor_native_sharding_cache()  # newer torch only
 
 
 def is_fault_tolerant(mesh: DeviceMesh) -> bool:
@@ -190,7 +196,7 @@ def live_shard_size(wanted: int, replicas: int) -> int:
 
 
 def apply_fully_shard(module: torch.nn.Module, mesh: DeviceMesh, shard: ShardPolicy,
-                      options: dict[str, Any]) -> list[str]:
+                      options: FSDPOptions) -> list[str]:
     """``fully_shard`` the modules ``shard`` picks (innermost first), then the root; returns their names."""
     wants = _policy(shard, module)
     picked = [(name, child) for name, child in module.named_modules() if name and wants(name, child)]
@@ -227,7 +233,7 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
     Shared and tied parameters stay shared in the copy.
     """
-    memo: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
     for param in module.parameters():
         memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     for buffer in module.buffers():
@@ -245,7 +251,7 @@ def move_optimizer(optimizer: torch.optim.Optimizer, old: torch.nn.Module, new: 
     names = parameter_names(old)
     rebind_optimizer(optimizer, names, new)
     params = dict(new.named_parameters(remove_duplicate=False))
-    moved: collections.defaultdict[Any, dict[str, Any]] = collections.defaultdict(dict)
+    moved: collections.defaultdict[torch.Tensor, StateDict] = collections.defaultdict(dict)
     for param, entry in optimizer.state.items():
         target = params[names[id(param)]]
         moved[target] = {key: torch.zeros_like(target, dtype=value.dtype) if isinstance(value, DTensor) else value

@@ -34,9 +34,11 @@ import functools
 import logging
 import math
 import weakref
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LRScheduler
 
 from adaptive.batchsize.gns import GradientNoiseScale, MeasureInterval, check_measure_interval
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
@@ -45,7 +47,8 @@ from adaptive.elastic import sync_points
 from adaptive.runtime import env, membership
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import StepContext, current_step, faulted, stream
-from adaptive.observe.metrics import tensorboard_prefix
+from adaptive._utils.types import StateDict
+from adaptive.observe.metrics import ScalarWriter, tensorboard_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ __all__ = ["TrainedModel", "TrainedModels", "TrainingParts", "check_optimizer", 
            "trained_models", "wire_optimizer", "follow_regroups"]
 
 
-def check_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+def check_optimizer(optimizer: object, params: list[torch.nn.Parameter]) -> None:
     """``optimizer`` is a torch optimizer holding only parameters of the model (``params``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -66,7 +69,7 @@ def check_optimizer(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
                                  "from model.parameters() before wrapping")
 
 
-def check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def check_lr_scheduler(lr_scheduler: object, optimizer: torch.optim.Optimizer) -> None:
     """``lr_scheduler`` is None or a scheduler stepping ``optimizer``."""
     if lr_scheduler is None:
         return
@@ -79,7 +82,7 @@ def check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> N
         raise ValueError("lr_scheduler steps another optimizer than the one given; build it from the same optimizer")
 
 
-def check_scaler(scaler: Any) -> None:
+def check_scaler(scaler: object) -> None:
     """``scaler`` is None or a ``torch.amp.GradScaler``-like object."""
     if scaler is None:
         return
@@ -90,14 +93,14 @@ def check_scaler(scaler: Any) -> None:
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__} {scaler!r}{hint}")
 
 
-def check_name(name: Any) -> str:
+def check_name(name: object) -> str:
     """A wrapper's checkpoint name: a non-empty string."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     return name
 
 
-def check_gns_interval(gns_interval: Any) -> MeasureInterval:
+def check_gns_interval(gns_interval: object) -> MeasureInterval:
     """Optimizer steps between noise measurements: an int >= 1, or ``"auto"``."""
     return check_measure_interval("gns_interval", gns_interval)
 
@@ -112,13 +115,15 @@ class TrainingParts:
     warning.
     """
 
-    def __init__(self, lr_scheduler: Any, scaler: Any, gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
-        self._parts = {"gns": gns, "scaling_rule": scaling_rule, "lr_scheduler": lr_scheduler, "scaler": scaler}
+    def __init__(self, lr_scheduler: LRScheduler | None, scaler: torch.amp.GradScaler | None,
+                 gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
+        self._parts: dict[str, Stateful | None] = {"gns": gns, "scaling_rule": scaling_rule,
+                                                   "lr_scheduler": lr_scheduler, "scaler": scaler}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {key: part.state_dict() for key, part in self._parts.items() if part is not None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         for key, part in self._parts.items():
             if part is None:
                 continue
@@ -147,7 +152,7 @@ def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, ski
     original = getattr(optimizer, method)
 
     @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         if skip():
             return None
         result = original(*args, **kwargs)
@@ -178,7 +183,14 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
     return step_lr
 
 
-def follow_regroups(model: Any) -> None:
+class FollowsRegroups(Protocol):
+    """A wrapper that rebuilds its reduction when a live membership change rebuilt the process group."""
+
+    def _follow_regroup(self) -> None:
+        """Move onto the new process group."""
+
+
+def follow_regroups(model: FollowsRegroups) -> None:
     """Call ``model._follow_regroup()`` whenever a live membership change rebuilt the process group.
 
     Held weakly: a wrapper the script dropped is not kept alive for it.
@@ -215,13 +227,14 @@ class TrainedModel:
     """
 
     optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    scaler: Any
+    lr_scheduler: LRScheduler | None
+    scaler: torch.amp.GradScaler | None
     gns: GradientNoiseScale
     scaling_rule: ScalingRule
     step_lr: StepLRFactor
 
-    def _make_gns_and_rule(self, optimizer: torch.optim.Optimizer, scaler: Any, scaling_rule: Any,
+    def _make_gns_and_rule(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                           scaling_rule: str | ScalingRule | None,
                            gns_interval: MeasureInterval) -> None:
         self.gns = GradientNoiseScale(optimizer, grad_scaler=scaler, measure_interval=gns_interval)
         self.scaling_rule = make_scaling_rule(scaling_rule, optimizer)
@@ -259,7 +272,7 @@ class TrainedModel:
         """
         return env.num_replicas() * micro_steps
 
-    def to_tensorboard(self, writer: Any, step: int, *, tag_prefix: str = "") -> None:
+    def to_tensorboard(self, writer: ScalarWriter, step: int, *, tag_prefix: str = "") -> None:
         """Write the gradient statistics and LR scaling as TensorBoard scalars.
 
         Tags are ``<tag_prefix>noise_scale``, ``grad_sqr``, ``grad_var`` (once

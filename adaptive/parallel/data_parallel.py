@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from adaptive._utils import torch_internals
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, loss_watch, membership, peer_failure
@@ -128,18 +129,21 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         The reducer is bound to its group, so it is built again the way DDP
         builds it when unpickled (over the new default group); communication
         hooks registered earlier are registered again on the new reducer.
+        (DDP's private calls: :mod:`adaptive._utils.torch_internals`.)
         """
-        from torch.distributed.distributed_c10d import _get_default_group
-
-        self.process_group = _get_default_group()
+        world = torch.distributed.group.WORLD  # the default group
+        if world is None:
+            raise ValueError("Default process group has not been initialized, "
+                             "please make sure to call init_process_group.")
+        self.process_group = world
         self._replicas = torch.distributed.get_world_size(self.process_group)
-        parameters, expect_sparse_gradient = self._build_params_for_reducer()
-        self._ddp_init_helper(parameters, expect_sparse_gradient,
-                              self._build_debug_param_to_name_mapping(parameters), self.static_graph)
+        parameters, expect_sparse_gradient = torch_internals.ddp_params_for_reducer(self)
+        torch_internals.ddp_init_reducer(self, parameters, expect_sparse_gradient,
+                                         torch_internals.ddp_param_names(self, parameters))
         if self.static_graph:
-            self.reducer._set_static_graph()
-        for hook, state in self._comm_hooks:
-            torch.distributed._register_comm_hook(self.reducer, state, hook)
+            torch_internals.reducer_set_static_graph(self.reducer)
+        for hook, state in torch_internals.ddp_comm_hooks(self):
+            torch_internals.register_reducer_comm_hook(self.reducer, state, hook)
         # As in a joiner's new wrapper, the first forward syncs the buffers (after steps with one replica,
         # which synchronise nothing, DDP would skip it here: the members would disagree on collectives).
         self.require_forward_param_sync = True
@@ -154,7 +158,7 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
             if membership.is_live() and not hasattr(self, "buffer_hook"):
                 self._broadcast_buffers()
             else:
-                super()._sync_buffers()
+                torch_internals.ddp_sync_buffers(self)  # DDP's own (the method this one overrides)
         except (RuntimeError, torch.distributed.DistError) as error:
             if not peer_failure.absorb_in_live_mode(error):
                 raise
@@ -163,9 +167,9 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         """Rank 0's buffers on every member, as DDP broadcasts them, but waited for by
         :func:`adaptive.runtime.collectives.wait` (a lost peer another member reported ends the wait)."""
         with torch.no_grad():
-            self._assign_modules_buffers()
+            torch_internals.ddp_assign_modules_buffers(self)
             buffers = list(self.modules_buffers)
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            with torch_internals.preserve_version_counter(buffers):
                 for kind in sorted({(buffer.dtype, buffer.device) for buffer in buffers}, key=str):  # same order
                     same = [buffer for buffer in buffers if (buffer.dtype, buffer.device) == kind]
                     flat = torch.cat([buffer.reshape(-1) for buffer in same])

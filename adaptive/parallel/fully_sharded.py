@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Callable, Mapping, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
@@ -62,10 +62,17 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from adaptive._utils.types import StateDict
+from adaptive.batchsize.scaling_rules import ScalingRule
 from adaptive.checkpoint import peer_shards, states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, fault_tolerant_group, membership
 from adaptive.parallel import _sharding, _training
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only (the library runs on 3.10)
+
+    from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["AdaptiveFSDP"]
 
@@ -87,20 +94,20 @@ class _FullyShardedState(states.ShardedState):
         self._admitted = admitted
         self._saved_optimizer = False
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         self._before_save()
         # An optimizer that has not stepped has no state to save; get_state_dict would create it
         # (with a step of lr 0), which would change what an uninterrupted run does.
         return {"kind": "fully_sharded", "optimizer_started": bool(self.optimizer.state), **self.parts.state_dict()}
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self) -> StateDict:
         self._before_save()
         if not self.optimizer.state:
             return {"model": get_model_state_dict(self.module)}
         model, optimizer = get_state_dict(self.module, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         if state.get("kind") != "fully_sharded":
             raise CheckpointError(f"state {self.name!r} in the checkpoint was saved by AdaptiveDataParallel, not "
                                   "AdaptiveFSDP; resume it with the wrapper that saved it, or give the sharded "
@@ -108,7 +115,7 @@ class _FullyShardedState(states.ShardedState):
         self._saved_optimizer = bool(state["optimizer_started"])
         self.parts.load_state_dict(state)
 
-    def load_sharded_state_dict(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    def load_sharded_state_dict(self, read: Callable[[StateDict], StateDict]) -> None:
         """Read the shards this replica needs now (DCP reshards to the current mesh) and apply them."""
         if not self._saved_optimizer:
             loaded = read({"model": get_model_state_dict(self.module)})
@@ -120,11 +127,11 @@ class _FullyShardedState(states.ShardedState):
         set_state_dict(self.module, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
 
-    def gather_for_peers(self, dst: int) -> Any:
+    def gather_for_peers(self, dst: int) -> StateDict | None:
         self._saved_optimizer = bool(self.optimizer.state)
         return peer_shards.gather_full(self.sharded_state_dict(), dst)
 
-    def reshard_for_peers(self, gathered: Any) -> None:
+    def reshard_for_peers(self, gathered: StateDict | None) -> None:
         self.module = self._reshard()
         self.load_sharded_state_dict(lambda target: peer_shards.fill_from_rank0(target, gathered))
 
@@ -134,7 +141,7 @@ class _FullyShardedState(states.ShardedState):
         self._admitted()
 
 
-def _check_fsdp_options(options: dict[str, Any]) -> None:
+def _check_fsdp_options(options: Mapping[str, object]) -> None:
     if "offload_policy" in options:
         raise ValueError("offload_policy (CPU offloading) is not supported by AdaptiveFSDP: measuring the "
                          "gradient noise on host-resident gradients would synchronise per parameter")
@@ -182,9 +189,10 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any = None, scaler: Any = None, *, mesh: DeviceMesh | None = None,
-                 shard: _sharding.ShardPolicy = "blocks", scaling_rule: Any = None, name: str = "model",
-                 gns_interval: int | str = "auto", **fsdp_options: Any) -> None:
+                 lr_scheduler: LRScheduler | None = None, scaler: torch.amp.GradScaler | None = None, *,
+                 mesh: DeviceMesh | None = None, shard: _sharding.ShardPolicy = "blocks",
+                 scaling_rule: str | ScalingRule | None = None, name: str = "model",
+                 gns_interval: int | str = "auto", **fsdp_options: Unpack[_sharding.FSDPOptions]) -> None:
         _check_module(module)
         _check_fsdp_options(fsdp_options)
         _training.check_optimizer(optimizer, list(module.parameters()))
@@ -200,7 +208,7 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         _ensure_process_group(module)
         super().__init__()
         self._blueprint = _live_blueprint(module)
-        self._sharding = (shard, dict(fsdp_options))
+        self._sharding = (shard, fsdp_options.copy())
         self.module = _shard(module, optimizer, _live_mesh(mesh), shard, fsdp_options)
         self.mesh = _sharding.module_mesh(self.module)
         self.optimizer = optimizer
@@ -289,7 +297,7 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         self._state.module = self._reshard()
         self._restore_and_wire()
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def forward(self, *inputs: object, **kwargs: object) -> object:
         self._materialize()
         step = self._follow_step()
         # Reduce-scatter only on the last micro-step of an optimizer step (FSDP2's no_sync).
@@ -339,7 +347,7 @@ def _live_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return mesh
 
 
-def _check_module(module: Any) -> None:
+def _check_module(module: object) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, (torch.nn.parallel.DistributedDataParallel, AdaptiveFSDP)):
@@ -364,8 +372,8 @@ def _ensure_process_group(module: torch.nn.Module) -> None:
                                    else "gloo")
 
 
-def _shard(module: torch.nn.Module, optimizer: Any, mesh: DeviceMesh | None, shard: _sharding.ShardPolicy,
-           options: dict[str, Any]) -> torch.nn.Module:
+def _shard(module: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None,
+           shard: _sharding.ShardPolicy, options: _sharding.FSDPOptions) -> torch.nn.Module:
     """``module`` sharded (or as given, if already sharded), with ``optimizer`` on its sharded parameters."""
     if _sharding.is_fully_sharded(module):
         if mesh is not None or shard != "blocks" or options:

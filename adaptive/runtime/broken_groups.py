@@ -26,7 +26,6 @@ import ctypes
 import dataclasses
 import logging
 import time
-from typing import Any
 
 __all__ = ["keep", "release_expired", "held"]
 
@@ -38,7 +37,7 @@ MARGIN = 5.0
 
 @dataclasses.dataclass
 class _Kept:
-    objects: tuple[Any, ...]
+    objects: tuple[object, ...]
     until: float  # monotonic
 
 
@@ -46,7 +45,7 @@ _kept: list[_Kept] = []
 _exit_hook: list[bool] = []
 
 
-def keep(*objects: Any, timeout: float) -> None:
+def keep(*objects: object, timeout: float) -> None:
     """Hold ``objects`` (process groups of a broken generation) until ``timeout`` seconds and a margin passed."""
     release_expired()
     live = tuple(obj for obj in objects if obj is not None)

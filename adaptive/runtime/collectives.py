@@ -24,7 +24,7 @@ import logging
 import operator
 import os
 import pickle
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -223,7 +223,7 @@ def _destroy_at_exit() -> None:
     groups.control = groups.asynchronous = None
 
 
-def _require_group() -> Any:
+def _require_group() -> dist.ProcessGroup | None:
     if _groups().control is None:
         if env.num_replicas() > 1:
             raise RuntimeError(
@@ -236,12 +236,12 @@ def _require_group() -> Any:
     return _groups().control
 
 
-def control_group() -> Any:
+def control_group() -> dist.ProcessGroup | None:
     """The gloo group for object collectives, or None with one replica and no group."""
     return _require_group()
 
 
-def _world_size(group: Any) -> int:
+def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -256,7 +256,7 @@ def _wrap_failure(what: str, error: BaseException) -> CollectiveError:
 _WAIT_SLICE = datetime.timedelta(seconds=0.1)
 
 
-def wait(work: Any, what: str) -> None:
+def wait(work: dist.Work, what: str) -> None:
     """Wait for the collective ``work``; :class:`CollectiveError` when it fails.
 
     In live mode it is waited for in slices, and between them a lost peer
@@ -295,7 +295,7 @@ def allgather_object(obj: T) -> list[T]:
     return _gather_objects(obj, group, "allgather_object")
 
 
-def _gather_objects(obj: Any, group: Any, what: str) -> list[Any]:
+def _gather_objects(obj: T, group: dist.ProcessGroup | None, what: str) -> list[T]:
     """``torch.distributed.all_gather_object``, its two collectives waited for by :func:`wait`."""
     size = _world_size(group)
     data = _to_bytes(obj)
@@ -324,15 +324,16 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return obj if env.rank() == src else _from_bytes(data)
 
 
-def _issue(what: str, operation: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Start an asynchronous collective; :class:`CollectiveError` when it cannot start."""
+def _issue(what: str, operation: Callable[..., dist.Work | None], *args: object, **kwargs: object) -> dist.Work:
+    """Start an asynchronous collective (``async_op=True``); :class:`CollectiveError` when it cannot start."""
     try:
-        return operation(*args, **kwargs)
+        work = operation(*args, **kwargs)
     except (RuntimeError, dist.DistError) as error:
         raise _wrap_failure(what, error) from error
+    return cast(dist.Work, work)  # with async_op=True a member of the group always gets its work
 
 
-def _to_bytes(obj: Any) -> torch.Tensor:
+def _to_bytes(obj: object) -> torch.Tensor:
     """``obj`` pickled, as a uint8 tensor (as ``all_gather_object`` sends it: between the job's processes)."""
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
@@ -346,7 +347,7 @@ def allreduce_object(obj: T, reduce_fn: Callable[[T, T], T] = operator.add) -> T
     return functools.reduce(reduce_fn, allgather_object(obj))
 
 
-def _allreduce_on_async_group(obj: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
+def _allreduce_on_async_group(obj: T, reduce_fn: Callable[[T, T], T]) -> T:
     return functools.reduce(reduce_fn, _gather_objects(obj, _groups().asynchronous, "allreduce_async"))
 
 
@@ -408,7 +409,7 @@ class _Ready:
 
 
 class _Pending:
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, work: dist.Work, tensor: torch.Tensor) -> None:
         self._work = work
         self._tensor = tensor
 

@@ -33,6 +33,12 @@ Variables of our own:
     (default: when a sharded state is registered), ``1`` or ``0``.
 ``ADAPTIVE_COLLECTIVE_TIMEOUT``
     Seconds after which a collective with a dead or stuck peer fails.
+``ADAPTIVE_METRICS_INTERVAL``
+    Optimizer steps between metrics records (default 10; 0 turns them off).
+``ADAPTIVE_SUPERVISOR_URL``, ``ADAPTIVE_SUPERVISOR_TOKEN``
+    Where rank 0 posts its scheduler hints, and the token it posts with.
+
+Every variable the library reads is read here, and only here.
 """
 
 from __future__ import annotations
@@ -72,6 +78,13 @@ __all__ = [
     "LIVE_NODE_VAR",
     "LIVE_MIN_VAR",
     "LIVE_MAX_VAR",
+    "STATUS_DIR_VAR",
+    "PARENT_PID_VAR",
+    "job_id_given",
+    "metrics_interval",
+    "supervisor",
+    "stop_status_dir",
+    "parent_pid",
 ]
 
 #: Seconds between periodic checkpoints when ``ADAPTIVE_CHECKPOINT_INTERVAL`` is unset.
@@ -83,6 +96,10 @@ DEFAULT_LIVE_HANG_TIMEOUT = 10.0
 #: Live mode: the variables ``adaptive-run --live`` sets for its workers (the store, the node, the size bounds).
 LIVE_STORE_VAR, LIVE_NODE_VAR = "ADAPTIVE_LIVE_STORE", "ADAPTIVE_LIVE_NODE"
 LIVE_MIN_VAR, LIVE_MAX_VAR = "ADAPTIVE_LIVE_MIN", "ADAPTIVE_LIVE_MAX"
+#: The folder where a launcher's workers report how they stopped (:mod:`adaptive.runtime.launch_status`).
+STATUS_DIR_VAR = "ADAPTIVE_STOP_STATUS_DIR"
+#: The process a launcher's children die with (:mod:`adaptive.runtime.process_tree`).
+PARENT_PID_VAR = "ADAPTIVE_PARENT_PID"
 
 
 def _int_var(name: str, default: int, minimum: int = 0) -> int:
@@ -171,6 +188,43 @@ def job_id() -> str:
     """Name of the job: ``ADAPTIVE_JOB_ID``, else the training script's name."""
     name = os.environ.get("ADAPTIVE_JOB_ID") or _script_name()
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def job_id_given() -> bool:
+    """Whether ``ADAPTIVE_JOB_ID`` names the job (else the training script's name does)."""
+    return bool(os.environ.get("ADAPTIVE_JOB_ID"))
+
+
+def metrics_interval() -> int:
+    """Optimizer steps between step records (``ADAPTIVE_METRICS_INTERVAL``, default 10; 0 = off)."""
+    return _int_var("ADAPTIVE_METRICS_INTERVAL", 10)
+
+
+def supervisor() -> tuple[str, str | None] | None:
+    """The scheduler's supervisor that takes hints: ``ADAPTIVE_SUPERVISOR_URL`` and its
+    ``ADAPTIVE_SUPERVISOR_TOKEN``; None when no URL is set."""
+    url = os.environ.get("ADAPTIVE_SUPERVISOR_URL")
+    return (url, os.environ.get("ADAPTIVE_SUPERVISOR_TOKEN") or None) if url else None
+
+
+def stop_status_dir() -> str | None:
+    """The folder where this launcher's workers report how they stopped (:data:`STATUS_DIR_VAR`), if any."""
+    return os.environ.get(STATUS_DIR_VAR) or None
+
+
+def parent_pid() -> int | None:
+    """The process this one must die with (:data:`PARENT_PID_VAR`); None when unset.
+
+    Raises:
+        ValueError: when the variable is not a process id.
+    """
+    raw = os.environ.get(PARENT_PID_VAR)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {PARENT_PID_VAR}={raw!r} must be a process id") from None
 
 
 def _job_dir() -> str:

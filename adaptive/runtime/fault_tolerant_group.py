@@ -40,7 +40,7 @@ import datetime
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,12 @@ from torch.futures import Future
 
 from torch.distributed.distributed_c10d import GroupName
 
+from adaptive._utils import torch_internals
 from adaptive.runtime import broken_groups, collectives, membership, peer_failure, step
 from adaptive.runtime.errors import CollectiveError
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 __all__ = ["BACKEND", "FaultTolerantGroup", "register", "applies", "close_all"]
 
@@ -59,16 +63,12 @@ logger = logging.getLogger(__name__)
 BACKEND = "adaptive_gloo"
 
 #: ProcessGroup methods whose gloo-backend method has another name.
-_BACKEND_NAMES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
-                  "all_to_all_single": "alltoall_base"}
+_BACKEND_NAMES = torch_internals.GLOO_NAMES_OF_PUBLIC_COLLECTIVES
 #: The collectives and point-to-point operations a FaultTolerantGroup forwards to gloo.
-_OPERATIONS = ("_allgather_base", "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single",
+_OPERATIONS = (*torch_internals.GLOO_PRIVATE_COLLECTIVES, "all_gather_single", "reduce_scatter_single",
                "all_to_all_single", "allgather", "allgather_coalesced", "allreduce", "allreduce_coalesced",
                "alltoall", "alltoall_base", "barrier", "broadcast", "gather", "reduce", "reduce_scatter", "scatter",
                "send", "recv", "recv_anysource")
-
-#: torch's constructor of a ``Work`` that completes with a future (not in its type stubs).
-_work_from_future: Callable[[Future[Any]], Any] = getattr(torch._C._distributed_c10d, "_create_work_from_future")
 
 _open_groups: weakref.WeakSet[FaultTolerantGroup] = weakref.WeakSet()
 _registered = threading.Lock()
@@ -77,10 +77,10 @@ _registered = threading.Lock()
 class FaultTolerantGroup(dist.ProcessGroup):
     """A process group over a gloo backend that turns a lost peer into a recorded fault (module docstring)."""
 
-    def __init__(self, backend: Any, rank: int, size: int, timeout: float) -> None:
+    def __init__(self, backend: dist.ProcessGroupGloo, rank: int, size: int, timeout: float) -> None:
         # torch's Python subclass constructor is (rank, size); its type stubs list only (store, rank, size)
         super().__init__(rank, size)  # type: ignore[call-arg]
-        self._backend: Any = backend
+        self._backend: dist.ProcessGroupGloo | None = backend
         self._timeout = timeout  # seconds a collective of the backend waits for its peers
         self._name = ""
         self._description = ""
@@ -126,22 +126,24 @@ class FaultTolerantGroup(dist.ProcessGroup):
         self.close()
 
     def all_gather_single_coalesced(self, output_lists: list[torch.Tensor], input_list: list[torch.Tensor],
-                                    opts: Any = None) -> Any:
+                                    opts: AllgatherOptions | None = None) -> dist.Work:
         """What DTensor's functional all-gather calls: one all-gather per pair, each as :meth:`_run` runs it."""
-        return self._each("_allgather_base", output_lists, input_list, opts)
+        return self._each(torch_internals.GLOO_ALLGATHER_BASE, output_lists, input_list, opts)
 
     def reduce_scatter_single_coalesced(self, outputTensors: list[torch.Tensor],  # noqa: N803 (torch's names)
-                                        inputTensors: list[torch.Tensor], opts: Any = None) -> Any:  # noqa: N803
+                                        inputTensors: list[torch.Tensor],  # noqa: N803
+                                        opts: ReduceScatterOptions | None = None) -> dist.Work:
         """What DTensor's functional reduce-scatter calls: one per pair."""
-        return self._each("_reduce_scatter_base", outputTensors, inputTensors, opts)
+        return self._each(torch_internals.GLOO_REDUCE_SCATTER_BASE, outputTensors, inputTensors, opts)
 
-    def _each(self, operation: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], options: Any) -> Any:
+    def _each(self, operation: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+              options: AllgatherOptions | ReduceScatterOptions | None) -> dist.Work:
         work = _completed()
         for output, tensor in zip(outputs, inputs):
             work = self._run(operation, output, tensor, options)
         return work
 
-    def _run(self, operation: str, *args: Any) -> Any:
+    def _run(self, operation: str, *args: object) -> dist.Work:
         """``operation`` on gloo; a lost peer (now, or when it completes) is recorded and it completes empty."""
         if self._backend is None or step.faulted():
             return _completed()
@@ -151,7 +153,7 @@ class FaultTolerantGroup(dist.ProcessGroup):
             return _absorb(operation, error)
         return self._wait(operation, work)
 
-    def _wait(self, operation: str, work: Any) -> Any:
+    def _wait(self, operation: str, work: dist.Work) -> dist.Work:
         """Wait for ``work`` here, as :func:`adaptive.runtime.collectives.wait` does (a callback on gloo's
         thread would need the GIL, which a functional collective waiting on the main thread may hold)."""
         try:
@@ -161,8 +163,8 @@ class FaultTolerantGroup(dist.ProcessGroup):
         return work
 
 
-def _operation(name: str) -> Callable[..., Any]:
-    def forward(self: FaultTolerantGroup, *args: Any) -> Any:
+def _operation(name: str) -> Callable[..., dist.Work]:
+    def forward(self: FaultTolerantGroup, *args: object) -> dist.Work:
         return self._run(name, *args)
 
     forward.__name__ = name
@@ -174,11 +176,11 @@ for _name in _OPERATIONS:
     setattr(FaultTolerantGroup, _name, _operation(_name))
 
 
-def _completed() -> Any:
+def _completed() -> dist.Work:
     """A finished ``Work`` with no data (what a collective that is not sent returns)."""
     done: Future[None] = Future()
     done.set_result(None)
-    return _work_from_future(done)
+    return torch_internals.work_from_future(done)
 
 
 def _recorded(error: BaseException) -> bool:
@@ -186,7 +188,7 @@ def _recorded(error: BaseException) -> bool:
     return step.loop_running() and peer_failure.absorb_in_live_mode(error)
 
 
-def _absorb(operation: str, error: BaseException) -> Any:
+def _absorb(operation: str, error: BaseException) -> dist.Work:
     """A failed operation: recorded (and completed empty) when a peer was lost in a loop; else it is raised."""
     if not _recorded(error):
         raise error
@@ -202,7 +204,7 @@ def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
 def register() -> None:
     """Register :data:`BACKEND` with torch.distributed (once per process)."""
     with _registered:
-        if BACKEND.upper() not in dist.Backend._plugins:
+        if BACKEND.lower() not in dist.Backend.backend_list:  # register_backend adds it
             dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
 
 

@@ -25,9 +25,9 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
 
 from adaptive._utils.files import read_json, write_json_atomic
+from adaptive._utils.types import JSON
 from adaptive.runtime import env
 from adaptive.runtime.job import current_job
 
@@ -36,7 +36,7 @@ __all__ = ["STATUS_DIR_VAR", "STALE_GENERATION_EXIT_CODE", "clear_earlier_report
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the launcher's status folder.
-STATUS_DIR_VAR = "ADAPTIVE_STOP_STATUS_DIR"
+STATUS_DIR_VAR = env.STATUS_DIR_VAR
 #: Exit status of a worker, and of ``adaptive-run``, whose incarnation a newer generation fenced off.
 STALE_GENERATION_EXIT_CODE = 3
 _STOP_PREFIX = "local-rank-"
@@ -44,7 +44,7 @@ _STALE_PREFIX = "stale-local-rank-"
 
 
 def _folder() -> str | None:
-    return os.environ.get(STATUS_DIR_VAR) or None
+    return env.stop_status_dir()
 
 
 def _own_file(prefix: str) -> str | None:
@@ -52,7 +52,7 @@ def _own_file(prefix: str) -> str | None:
     return None if folder is None else os.path.join(folder, f"{prefix}{env.local_rank()}.json")
 
 
-def _write(prefix: str, record: dict[str, Any]) -> None:
+def _write(prefix: str, record: JSON) -> None:
     path = _own_file(prefix)
     if path is None:
         return
@@ -94,7 +94,7 @@ def forget_stop() -> None:
             logger.debug("could not remove %s: %s", path, error)
 
 
-def confirm_stop(**status: Any) -> None:
+def confirm_stop(**status: object) -> None:
     """Tell ``adaptive-run`` how this worker's graceful stop went (``ok``, and ``seq`` or ``reason``)."""
     _write(_STOP_PREFIX, status)
 
@@ -104,7 +104,7 @@ def report_stale(mine: int, newest: int, message: str) -> None:
     _write(_STALE_PREFIX, {"generation": mine, "newest": newest, "message": message})
 
 
-def stale_report(folder: str | None = None) -> dict[str, Any] | None:
+def stale_report(folder: str | None = None) -> JSON | None:
     """A fencing record left in the launcher's folder by any local worker, or None.
 
     ``folder`` defaults to this process's launcher folder (None outside ``adaptive-run``).
@@ -130,7 +130,7 @@ def stop_problems(folder: str, workers: int | None) -> list[str]:
 
     ``workers`` is the number of local workers, when known.
     """
-    found: dict[int, dict] = {}
+    found: dict[int, JSON] = {}
     problems = []
     for entry in sorted(os.listdir(folder)):
         if not (entry.startswith(_STOP_PREFIX) and entry.endswith(".json")):

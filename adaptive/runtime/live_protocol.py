@@ -24,7 +24,8 @@ import json
 from typing import Any
 
 __all__ = ["Member", "Generation", "GenerationState", "GenerationKeys", "CURRENT_KEY", "WORKERS_KEY", "AGENTS_KEY",
-           "job_prefix", "agent_key", "worker_of_key", "dead_key", "beat_key", "HUNG"]
+           "DRAINS_ASKED_KEY", "DRAINS_SERVED_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
+           "beat_key", "drain_key", "HUNG"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,16 @@ def worker_of_key(node: int, local_rank: int) -> str:
 def dead_key(wid: int) -> str:
     """The key (in the job's keys) by which a launcher says that worker ``wid`` died (or the others that it hung)."""
     return f"dead/{wid}"
+
+
+#: The counters of drain requests posted to the job and served by its members (:mod:`.draining`).
+DRAINS_ASKED_KEY = "drains/asked"
+DRAINS_SERVED_KEY = "drains/served"
+
+
+def drain_key(node: int) -> str:
+    """The key (in the job's keys) that asks the members of node ``node`` to leave: when it was asked."""
+    return f"drain/{node}"
 
 
 def beat_key(wid: int) -> str:

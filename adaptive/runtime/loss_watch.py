@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
@@ -36,7 +36,8 @@ T = TypeVar("T")
 INTERVAL = 0.1
 
 _lock = threading.Condition()
-_pending: dict[int, tuple[torch.futures.Future[Any], Callable[[], Any]]] = {}
+#: id(future) -> completes that future with its fallback (unless it has completed meanwhile).
+_pending: dict[int, Callable[[], bool]] = {}
 _watcher: list[threading.Thread] = []
 
 
@@ -58,7 +59,7 @@ def release_on_loss(future: torch.futures.Future[T], fallback: Callable[[], T]) 
     with _lock:
         if future.done():
             return
-        _pending[id(future)] = (future, fallback)
+        _pending[id(future)] = lambda: complete_once(future, fallback())
         if not _watcher or not _watcher[0].is_alive():
             _watcher[:] = [threading.Thread(target=_watch, name="adaptive-loss-watch", daemon=True)]
             _watcher[0].start()
@@ -87,7 +88,7 @@ def _release_all() -> None:
     with _lock:
         released = list(_pending.values())
         _pending.clear()
-    for future, fallback in released:
-        complete_once(future, fallback())
+    for release in released:
+        release()
     if released:
         logger.warning("a member reported a lost peer: %d collective(s) in flight were given up", len(released))

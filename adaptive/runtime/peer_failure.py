@@ -24,7 +24,7 @@ import logging
 import re
 import sys
 from types import TracebackType
-from typing import Any
+from typing import Callable
 
 from adaptive.runtime import env, membership, step
 from adaptive.runtime.errors import CollectiveError
@@ -39,7 +39,8 @@ _PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Bro
                         r"NCCL communicator was aborted|remote process exited|ProcessGroupGloo.*(timed out|Timed out)|"
                         r"peer replica failed|a peer died")
 
-_installed: dict[str, Any] = {}
+#: The excepthook installed before :func:`install`'s, called for every error that is not a lost peer.
+_installed: dict[str, Callable[[type[BaseException], BaseException, TracebackType | None], object]] = {}
 
 #: Why a live job restarts from the checkpoint after all: the loss came where it cannot be recovered in memory.
 _LIVE_RESTART = ("; the live job's members restart from it, since the loss broke a collective that cannot be "

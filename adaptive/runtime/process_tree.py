@@ -33,13 +33,15 @@ import time
 
 import psutil
 
+from adaptive.runtime import env
+
 __all__ = ["PARENT_PID_VAR", "bind_to_parent", "child_environment", "set_death_signal", "become_subreaper",
            "kill_group_and_tree", "kill_process_tree", "descendants"]
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable with the PID of the process whose death must end this one.
-PARENT_PID_VAR = "ADAPTIVE_PARENT_PID"
+PARENT_PID_VAR = env.PARENT_PID_VAR
 #: Exit status of a process that found its parent already gone when it started.
 ORPHAN_EXIT_CODE = 137
 
@@ -75,13 +77,12 @@ def bind_to_parent(parent: int | None = None) -> bool:
     process is an orphan of an ended incarnation and exits at once.
     """
     if parent is None:
-        value = os.environ.get(PARENT_PID_VAR)
-        if not value:
-            return False
         try:
-            parent = int(value)
-        except ValueError:
-            logger.warning("ignoring %s=%r: not a process id", PARENT_PID_VAR, value)
+            parent = env.parent_pid()
+        except ValueError as error:
+            logger.warning("ignoring %s", error)
+            return False
+        if parent is None:
             return False
     if os.getppid() != parent:
         if psutil.pid_exists(parent):

@@ -50,11 +50,16 @@ a one-node incarnation of this backend, started by
 :meth:`RayBackend.launch_nodes` with the replica's own command line
 (``adaptive-run --live``), log and the job's rendezvous endpoint; resizing
 a job adds and ends such incarnations while the others run.
+
+Modules: this one is the backend, the phases and the heartbeats. The record
+of an incarnation (:class:`RayHandle`, :class:`Phase`, :data:`NodeCommand`,
+re-exported here) is :mod:`scheduler.executor._ray_handle`; reserving the
+placement group and the actors and freeing them once the incarnation ended is
+:mod:`scheduler.executor._ray_resources`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import os
@@ -63,97 +68,26 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
+from scheduler.executor._ray_handle import NodeCommand, Phase, RayHandle
+from scheduler.executor._ray_resources import NODE_ID_LABEL, RELEASE_GRACE  # noqa: F401  (importable from here)
+from scheduler.executor._ray_resources import Releases, launcher_actor, reserve
 from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend, read_tail
 from scheduler.executor.jobspec import JobSpec
 from scheduler.executor.ray_import import import_ray
 from scheduler.executor.ray_pool import RayPool
 
 ray = import_ray()
-from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
-
-from scheduler.executor.ray_node import NodeLauncher  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LAUNCH_FAILED_EXIT", "LOST_NODE_EXIT", "NodeCommand", "Phase", "RayBackend", "RayHandle"]
 
-#: Ray's label with a node's id, which pins a bundle to that node.
-NODE_ID_LABEL = "ray.io/node-id"
 #: Seconds between two heartbeats (exit-status polls) of one node's actor.
 HEARTBEAT_INTERVAL = 0.5
 #: Seconds after a node's failure from which the other nodes' heartbeats tell a crash from a lost node.
 FAILURE_GRACE = 2.0
-#: Seconds an ended incarnation's actors get to confirm the SIGKILL before they and the placement group go.
-RELEASE_GRACE = 2.0
-
-_RemoteLauncher = ray.remote(NodeLauncher)
-
-#: One node's command line, from its rank (its position in the incarnation's nodes), the number of replicas
-#: on it and the rendezvous endpoint (``HOST:PORT``).
-NodeCommand: TypeAlias = Callable[[int, int, str], list[str]]
-
-
-class Phase(str, enum.Enum):
-    """Where an incarnation is; every phase but the last two has a deadline (the backend's ``timeout``)."""
-
-    PLACING = "placing"      # waiting for the placement group
-    CREATING = "creating"    # actors created: waiting for the rendezvous address (and the GPU ids)
-    STARTING = "starting"    # waiting for each actor to start its launcher
-    RUNNING = "running"      # launchers run: heartbeats
-    ENDED = "ended"
-
-
-@dataclass
-class RayHandle:
-    """One incarnation: its phase, placement group, actors (one per node), pending Ray calls and exits."""
-
-    spec: JobSpec
-    attempt: int
-    nodes: tuple[int, ...]
-    slots: tuple[int, ...]
-    log_paths: tuple[str, ...]
-    command: NodeCommand
-    deadline: float
-    phase: Phase = Phase.PLACING
-    placement_group: Any = None
-    actors: list[Any] = field(default_factory=list)
-    #: The phase's pending calls: (position in ``nodes`` of the node called, ``ObjectRef``).
-    pending: list[tuple[int, Any]] = field(default_factory=list)
-    #: Outstanding heartbeats: position -> (``ObjectRef``, time sent).
-    heartbeats: dict[int, tuple[Any, float]] = field(default_factory=dict)
-    #: When the last answered heartbeat of each position was sent.
-    answered: dict[int, float] = field(default_factory=dict)
-    next_heartbeat: float = 0.0
-    #: When a node's failure was first seen (the others are then confirmed alive before it counts).
-    failed_at: float | None = None
-    #: The rendezvous endpoint: given at launch, or a free port on the first node once its actor is created.
-    endpoint: str | None = None
-    #: What the logs and the placement group call it (default: the job's name).
-    label: str = ""
-    gpus: dict[int, list[str]] = field(default_factory=dict)
-    pids: tuple[int, ...] = ()
-    exit_code: int | None = None
-    stopping: bool = False
-    codes: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return self.label or self.spec.name
-
-
-@dataclass
-class _Release:
-    """What an ended incarnation still holds, freed once its SIGKILLs were confirmed or at ``deadline``."""
-
-    name: str
-    actors: list[Any]
-    placement_group: Any
-    signals: list[Any]
-    deadline: float
 
 
 class RayBackend(Backend):
@@ -183,7 +117,7 @@ class RayBackend(Backend):
         self.timeout = float(timeout)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.clock = clock
-        self._releases: list[_Release] = []
+        self._releases = Releases()
 
     # ---------------------------------------------------------------- Backend
     def alive_nodes(self) -> list[int]:
@@ -225,10 +159,7 @@ class RayBackend(Backend):
         handle = RayHandle(spec, attempt, nodes, tuple(per_node[n] for n in nodes), tuple(log_paths), command,
                            deadline=self.clock() + self.timeout, endpoint=endpoint, label=label or spec.name)
         try:
-            selectors = [{NODE_ID_LABEL: self.pool.node(n).node_id} for n in nodes]
-            handle.placement_group = placement_group(
-                [self._resources(k) for k in handle.slots], strategy="PACK", name=f"{handle.name}-{attempt}",
-                bundle_label_selector=selectors)
+            handle.placement_group = reserve(self.pool, nodes, handle.slots, f"{handle.name}-{attempt}")
             handle.pending = [(0, handle.placement_group.ready())]
         except (KeyError, ValueError, ray.exceptions.RayError) as exc:
             logger.error("%s attempt %d could not be placed on nodes %s: %s", handle.name, attempt, list(nodes),
@@ -299,12 +230,7 @@ class RayBackend(Backend):
         if answered is None:
             return self._check_deadline(handle, "placement group ready")
         for i in range(len(handle.nodes)):
-            options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "resources": {}, "max_restarts": 0,
-                                       "max_concurrency": 4,
-                                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                                           handle.placement_group, placement_group_bundle_index=i)}
-            options.update(self._actor_resources(handle.slots[i]))
-            handle.actors.append(_RemoteLauncher.options(**options).remote())
+            handle.actors.append(launcher_actor(handle.placement_group, i, handle.slots[i], self.pool.resource))
         handle.pending = [] if handle.endpoint else [(0, handle.actors[0].address.remote())]
         if self.pool.resource == "GPU":
             handle.pending += [(i, actor.gpu_ids.remote()) for i, actor in enumerate(handle.actors)]
@@ -441,17 +367,6 @@ class RayBackend(Backend):
         seen = set(codes.values())
         return self._end(handle, 0 if seen == {0} else 143 if seen == {143} else 1)
 
-    def _resources(self, slots: int) -> dict[str, float]:
-        return {self.pool.resource: float(slots)}
-
-    def _actor_resources(self, slots: int) -> dict[str, Any]:
-        """Actor options that take the node's whole bundle (``num_cpus``/``num_gpus`` for those resources)."""
-        if self.pool.resource == "CPU":
-            return {"num_cpus": slots}
-        if self.pool.resource == "GPU":
-            return {"num_gpus": slots}
-        return {"resources": {self.pool.resource: float(slots)}}
-
     def _signal(self, handle: RayHandle, sig: signal.Signals) -> None:
         for actor in handle.actors:
             actor.signal.remote(int(sig))  # fire and forget: returns at once; a dead actor is seen by poll
@@ -465,32 +380,7 @@ class RayBackend(Backend):
 
     def _release(self, handle: RayHandle) -> None:
         """SIGKILL what may still run; the actors and the placement group go once that is confirmed."""
-        signals = [actor.signal.remote(int(signal.SIGKILL)) for actor in handle.actors]
-        self._releases.append(_Release(handle.name, handle.actors, handle.placement_group, signals,
-                                       self.clock() + RELEASE_GRACE))
-        handle.actors, handle.placement_group = [], None
+        self._releases.release(handle, self.clock())
 
     def _finish_releases(self, force: bool = False) -> None:
-        now = self.clock()
-        keep = []
-        for release in self._releases:
-            refs = release.signals
-            confirmed = not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
-            if confirmed or force or now >= release.deadline:
-                self._free(release)
-            else:
-                keep.append(release)
-        self._releases = keep
-
-    @staticmethod
-    def _free(release: _Release) -> None:
-        for actor in release.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except ray.exceptions.RayError as exc:
-                logger.debug("%s: actor already gone: %s", release.name, exc)
-        if release.placement_group is not None:
-            try:
-                remove_placement_group(release.placement_group)
-            except ray.exceptions.RayError as exc:
-                logger.debug("%s: placement group already gone: %s", release.name, exc)
+        self._releases.finish(self.clock(), force)

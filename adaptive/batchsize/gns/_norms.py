@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from adaptive._utils import torch_internals
 from adaptive.batchsize.gns._precondition import Preconditioner
 
 __all__ = ["GroupNorms"]
@@ -110,7 +111,7 @@ class GroupNorms:
         plain = [i for i in indices if roots[i] is None]
         values = []
         if plain:
-            norms = torch._foreach_norm([self._grad(i) for i in plain], 2, dtype=torch.float32)
+            norms = torch_internals.foreach_norm([self._grad(i) for i in plain], 2, dtype=torch.float32)
             values += [norm.square() for norm in norms]
         scaled = [i for i in indices if roots[i] is not None]
         values += [self.sq_norm(self._grad(i), roots[i]) for i in scaled]

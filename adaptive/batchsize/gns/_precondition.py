@@ -21,7 +21,7 @@ as the local shard of the gradient.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class Preconditioner:
                         "without preconditioning")
 
 
-def step_value(step: Any) -> Any:
+def step_value(step: torch.Tensor | float) -> torch.Tensor | float:
     """Adam's step count as a float, or a device tensor (no host sync)."""
     if isinstance(step, torch.Tensor):
         return float(step) if step.device.type == "cpu" else step.to(torch.float32)

@@ -66,13 +66,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping, TypedDict
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 from torch.nn.parallel import DistributedDataParallel
 
+from adaptive._utils import torch_internals
 from adaptive.runtime import step as step_records
 from adaptive.batchsize.gns._norms import GroupNorms
 from adaptive.batchsize.gns._precondition import Preconditioner
@@ -80,12 +81,24 @@ from adaptive.batchsize.gns._record import StepRecord
 from adaptive.batchsize.gns._schedule import MeasureInterval, MeasureSchedule
 from adaptive.goodput.noise_estimate import DIFFERENCED, DIRECT, BatchConfig
 
-__all__ = ["BackwardProbe", "StepRecord"]
+__all__ = ["BackwardProbe", "ProbeOptions", "StepRecord"]
 
 logger = logging.getLogger(__name__)
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
+class ProbeOptions(TypedDict):
+    """The keyword arguments that :meth:`GradientNoiseScale.attach` gives either probe."""
+
+    average_micro_steps: bool
+    precondition: bool
+    precondition_interval: int
+    measure_interval: MeasureInterval
+    grad_scaler: Callable[[], torch.amp.GradScaler | None]
+    on_step_start: Callable[[], None]
+    on_failure: Callable[[], None]
+
+
+def _output_tensors(output: object) -> list[torch.Tensor]:
     """Tensors in a model's output (nested tuples, lists, dicts, dataclass-like objects)."""
     if isinstance(output, torch.Tensor):
         return [output]
@@ -126,9 +139,10 @@ class BackwardProbe:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
-                 process_group: Any, world_size: int, average_micro_steps: bool,
+                 process_group: dist.ProcessGroup | None, world_size: int, average_micro_steps: bool,
                  is_last_micro_step: Callable[[], bool], precondition: bool, precondition_interval: int,
-                 measure_interval: MeasureInterval, grad_scaler: Callable[[], Any], on_step_start: Callable[[], None],
+                 measure_interval: MeasureInterval, grad_scaler: Callable[[], torch.amp.GradScaler | None],
+                 on_step_start: Callable[[], None],
                  on_failure: Callable[[], None]) -> None:
         self._optimizer = optimizer
         self._num_groups = len(optimizer.param_groups)
@@ -144,8 +158,9 @@ class BackwardProbe:
         self._group_of: list[int] = []
         self._trained: list[torch.Tensor] = []  # every trainable parameter of the model (gradients averaged)
         self._preconditioner: Preconditioner | None = None
-        self._micro_handles: list[Any] = []
-        self._prev_meta: Any = None
+        self._micro_handles: list[RemovableHandle] = []
+        #: (step, configuration, measured parameters) of the step whose gradients are stored, for differencing.
+        self._prev_meta: tuple[int, BatchConfig, tuple[int, ...]] | None = None
         self._prev_scale: torch.Tensor | None = None
         self._pending: StepRecord | None = None
         self._in_backward = False
@@ -189,14 +204,15 @@ class BackwardProbe:
         norms = self._norms
         return norms.sq_norm(grad, norms.root(index))
 
-    def _register_micro_hooks(self) -> list[Any]:
+    def _register_micro_hooks(self) -> list[RemovableHandle]:
         return [p.register_hook(functools.partial(self._micro_hook, i)) for i, p in enumerate(self._params)]
 
     def _micro_hooks_complete(self) -> bool:
         """Whether the micro-step hooks will see every gradient of the coming backward."""
         return bool(self._micro_handles)
 
-    def _reduce_direct(self, big: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _reduce_direct(self, big: torch.Tensor, local: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         """Start combining the replicas' sums: ``(big, local, work)``, read after ``work.wait()``."""
         work = None
         if self.world_size > 1:
@@ -204,7 +220,7 @@ class BackwardProbe:
         return big, local, work
 
     # ------------------------------------------------------------ control
-    def follow_group(self, process_group: Any, world_size: int) -> None:
+    def follow_group(self, process_group: dist.ProcessGroup | None, world_size: int) -> None:
         """Reduce over ``process_group`` (``world_size`` replicas) from the next step on.
 
         Which steps are measured (and when the preconditioner is refreshed)
@@ -296,13 +312,13 @@ class BackwardProbe:
         scaler = self._grad_scaler()
         if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
             return None
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
+        scale = torch_internals.grad_scaler_scale(scaler)
+        if scale is not None:
             return scale.detach().reshape(()).to(torch.float32).clone()
         return torch.tensor(float(scaler.get_scale()), dtype=torch.float32)
 
     # ------------------------------------------------------------ hooks
-    def _on_forward(self, module: Any, inputs: Any, output: Any) -> None:
+    def _on_forward(self, module: torch.nn.Module, inputs: tuple[object, ...], output: object) -> None:
         """DDP forward hook: mark where this forward's backward will start."""
         if not torch.is_grad_enabled():
             return
@@ -325,13 +341,13 @@ class BackwardProbe:
                 self._step_open = True
                 self._fail("backward-start hook")
         self._micro_steps += 1
-        Variable._execution_engine.queue_callback(functools.partial(self._after_backward, sync))
+        torch_internals.queue_autograd_callback(functools.partial(self._after_backward, sync))
 
     def _after_backward(self, sync: bool) -> None:
         """End of a backward, before DDP's finalisation (queued ahead of it)."""
         self._in_backward = False
         if sync:  # runs after DDP has written the reduced gradients back
-            Variable._execution_engine.queue_callback(self._end_of_step)
+            torch_internals.queue_autograd_callback(self._end_of_step)
 
     def _wants_micro_hooks(self) -> bool:
         """Whether steps have several small gradients (replicas or micro-steps) to read."""
@@ -391,7 +407,7 @@ class BackwardProbe:
             else:
                 dense.append(grad)
         if dense:
-            torch._foreach_div_(dense, divisor)
+            torch_internals.foreach_div_(dense, divisor)
 
     def _vote(self, device: torch.device) -> torch.Tensor:
         """This replica's vote for the next measurement interval, as a one-element tensor on ``device``

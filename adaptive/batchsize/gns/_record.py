@@ -10,10 +10,10 @@ into its averages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from adaptive.goodput.noise_estimate import BatchConfig, Measurement
 from adaptive.runtime import collectives
@@ -31,7 +31,7 @@ class StepRecord:
     big: torch.Tensor
     votes: torch.Tensor  # the replicas' votes for the next interval, summed by the all-reduce (one element)
     local: torch.Tensor | None = None
-    work: Any = None
+    work: dist.Work | None = None  # the all-reduce combining the replicas' sums, until it is waited for
     scale: torch.Tensor | None = None
     prev: torch.Tensor | None = None
     prev_scale: torch.Tensor | None = None

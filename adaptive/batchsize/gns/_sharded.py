@@ -80,44 +80,43 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
-from adaptive.batchsize.gns._probe import BackwardProbe
+from adaptive._utils import torch_internals
+from adaptive.batchsize.gns._probe import BackwardProbe, ProbeOptions
 
-try:
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only (the library runs on 3.10)
+
     from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import FSDPModule
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
+
+    from adaptive._utils.torch_internals import FSDPParam, FSDPParamGroup
+
+# FSDP2's module class and DTensor: the public ones (torch >= 2.6 and 2.5), the private modules' on older torch.
+_FSDP_MODULE = torch_internals.fsdp_module_class()
+_DTENSOR = torch_internals.dtensor_class()
 
 __all__ = ["FSDPLayout", "ShardedProbe", "fsdp_layout", "is_fsdp_module"]
 
 logger = logging.getLogger(__name__)
 
 
-def is_fsdp_module(module: Any) -> bool:
+def is_fsdp_module(module: object) -> bool:
     """Whether ``fully_shard`` was called on ``module``."""
-    return isinstance(module, FSDPModule)
+    return isinstance(module, _FSDP_MODULE)
 
 
-def _param_groups(module: FSDPModule) -> list[Any]:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.9: at most one group per state
-        group = state._fsdp_param_group
-        groups = [] if group is None else [group]
-    return list(groups)
+def _param_groups(module: FSDPModule) -> list[FSDPParamGroup]:
+    return list(torch_internals.fsdp_param_groups(torch_internals.fsdp_state(module)))
 
 
-def _local(tensor: Any) -> Any:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (anything else unchanged)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return torch_internals.dtensor_local_tensor(tensor) if isinstance(tensor, _DTENSOR) else tensor
 
 
 @dataclass(frozen=True)
@@ -134,11 +133,11 @@ class FSDPLayout:
             says whether the coming backward reduces).
     """
 
-    params: dict[int, Any]
+    params: dict[int, FSDPParam]
     shard_size: int
     replicate_size: int
-    group: Any
-    param_groups: tuple[Any, ...]
+    group: dist.ProcessGroup | None
+    param_groups: tuple[FSDPParamGroup, ...]
 
     @property
     def world_size(self) -> int:
@@ -150,18 +149,17 @@ class FSDPLayout:
         return all(group.reduce_grads for group in self.param_groups)
 
 
-def fsdp_layout(root: torch.nn.Module, process_group: Any = None) -> FSDPLayout:
+def fsdp_layout(root: torch.nn.Module, process_group: dist.ProcessGroup | None = None) -> FSDPLayout:
     """Read the sharding of ``root`` (an ``FSDPModule``); raises for what cannot be measured."""
-    if not isinstance(root, FSDPModule):  # is_fsdp_module, spelled out so that root is typed as one
+    if not isinstance(root, _FSDP_MODULE):  # is_fsdp_module, spelled out so that root is typed as one
         raise TypeError(f"expected a module on which fully_shard was called, got {type(root).__name__}")
-    state = root._get_fsdp_state()
-    if getattr(state, "_is_root", None) is False:
+    if torch_internals.fsdp_is_root(torch_internals.fsdp_state(root)) is False:
         raise ValueError("attach the root FSDP module (the outermost one fully_shard was called on), "
                          "not a submodule")
-    params: dict[int, Any] = {}
+    params: dict[int, FSDPParam] = {}
     param_groups = []
     for module in root.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, _FSDP_MODULE):
             for group in _param_groups(module):
                 param_groups.append(group)
                 for fsdp_param in group.fsdp_params:
@@ -194,10 +192,10 @@ def fsdp_layout(root: torch.nn.Module, process_group: Any = None) -> FSDPLayout:
     return FSDPLayout(params, shard_size, replicate_size, process_group, tuple(param_groups))
 
 
-def _own_rows(fsdp_param: Any) -> tuple[int, int, int]:
+def _own_rows(fsdp_param: FSDPParam) -> tuple[int, int, int]:
     """``(dim, start, length)`` of this rank's shard in the unsharded parameter (``torch.chunk`` order)."""
     dim = fsdp_param.fsdp_placement.dim
-    size = fsdp_param._orig_size[dim]
+    size = torch_internals.fsdp_param_orig_size(fsdp_param)[dim]
     shards = fsdp_param.mesh_info.shard_mesh_size
     chunk = math.ceil(size / shards) if size else 0
     start = min(fsdp_param.mesh_info.shard_mesh_rank * chunk, size)
@@ -220,7 +218,7 @@ class ShardedProbe(BackwardProbe):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, layout: FSDPLayout,
-                 is_last_micro_step: Callable[[], bool] | None = None, **kwargs: Any) -> None:
+                 is_last_micro_step: Callable[[], bool] | None = None, **kwargs: Unpack[ProbeOptions]) -> None:
         self._layout = layout
         if is_last_micro_step is None:
             is_last_micro_step = layout.syncs
@@ -252,7 +250,8 @@ class ShardedProbe(BackwardProbe):
         dim, start, length = self._rows[index]
         return norms.sq_norm(grad.narrow(dim, start, length), root) * self._layout.shard_size
 
-    def _reduce_direct(self, big: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _reduce_direct(self, big: torch.Tensor, local: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
         """Big (shard sums, over ``R`` copies of each shard) and small sums in one all-reduce."""
         if self.world_size == 1:
             return big, local, None
@@ -262,8 +261,8 @@ class ShardedProbe(BackwardProbe):
         return buffer[:big.numel()], buffer[big.numel():], work
 
     # ------------------------------------------------------------ hooks on the unsharded parameters
-    def _register_micro_hooks(self) -> list[Any]:
-        handles: list[Any] = []
+    def _register_micro_hooks(self) -> list[RemovableHandle]:
+        handles: list[RemovableHandle] = []
         self._hook_unsharded(handles)
         return handles
 
@@ -271,11 +270,11 @@ class ShardedProbe(BackwardProbe):
         super()._remove_micro_hooks()
         self._unhooked = list(range(len(self._params)))
 
-    def _hook_unsharded(self, handles: list[Any]) -> None:
+    def _hook_unsharded(self, handles: list[RemovableHandle]) -> None:
         """Hook every unsharded parameter FSDP has created by now (they persist once created)."""
         still = []
         for index in self._unhooked:
-            unsharded = getattr(self._fsdp[index], "_unsharded_param", None)
+            unsharded = torch_internals.fsdp_unsharded_param(self._fsdp[index])
             if unsharded is None:
                 still.append(index)
                 continue
@@ -286,9 +285,9 @@ class ShardedProbe(BackwardProbe):
         """Every parameter with an unsharded value is hooked (one without had no all-gather,
         hence no local gradient, this step)."""
         return bool(self._micro_handles) and all(
-            getattr(self._fsdp[i], "_unsharded_param", None) is None for i in self._unhooked)
+            torch_internals.fsdp_unsharded_param(self._fsdp[i]) is None for i in self._unhooked)
 
-    def _on_forward(self, module: Any, inputs: Any, output: Any) -> None:
+    def _on_forward(self, module: torch.nn.Module, inputs: tuple[object, ...], output: object) -> None:
         """Root forward hook (after FSDP's): hook new unsharded parameters, then as for DDP."""
         if torch.is_grad_enabled() and self._unhooked and self._wants_micro_hooks():
             self._hook_unsharded(self._micro_handles)

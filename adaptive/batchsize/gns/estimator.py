@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Mapping, TypedDict
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -72,7 +72,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptive.runtime import peer_failure
 from adaptive._utils.checks import check_float, check_int
-from adaptive.batchsize.gns._probe import BackwardProbe
+from adaptive._utils.types import StateDict
+from adaptive.batchsize.gns._probe import BackwardProbe, ProbeOptions
 from adaptive.batchsize.gns._schedule import MeasureInterval, check_measure_interval
 from adaptive.checkpoint.versions import StateFormatError, check_fields, read_state
 from adaptive.goodput.model import GradParams
@@ -85,19 +86,7 @@ logger = logging.getLogger(__name__)
 _STATE_FIELDS = ("sqr", "var", "weight", "estimator", "magnitude", "updates", "skipped", "init_batch_size")
 
 
-class _ProbeOptions(TypedDict):
-    """The keyword arguments that :meth:`GradientNoiseScale.attach` gives either probe."""
-
-    average_micro_steps: bool
-    precondition: bool
-    precondition_interval: int
-    measure_interval: MeasureInterval
-    grad_scaler: Callable[[], Any]
-    on_step_start: Callable[[], None]
-    on_failure: Callable[[], None]
-
-
-def _weigh_unweighted(fields: dict[str, Any]) -> dict[str, Any]:
+def _weigh_unweighted(fields: StateDict) -> StateDict:
     """Version 1 -> 2: version 1 kept plain averages; weigh them as one measurement
     of their size (version 2 weighs each by 1 / |g|^2) and start the magnitude afresh."""
     fields = dict(fields, magnitude=[0.0, 0.0])
@@ -140,7 +129,7 @@ class GradientNoiseScale:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, smoothing: float = 0.999,
                  precondition: bool | None = None, precondition_interval: int = 10,
-                 measure_interval: MeasureInterval = 1, grad_scaler: Any = None) -> None:
+                 measure_interval: MeasureInterval = 1, grad_scaler: torch.amp.GradScaler | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         smoothing = check_float("smoothing", smoothing, 0.0, strict_minimum=True)
@@ -181,7 +170,7 @@ class GradientNoiseScale:
         if self._probe is not None:
             self._probe.set_enabled(self._enabled)
 
-    def attach(self, model: torch.nn.Module, *, process_group: Any = None,
+    def attach(self, model: torch.nn.Module, *, process_group: dist.ProcessGroup | None = None,
                average_micro_steps: bool = True,
                is_last_micro_step: Callable[[], bool] | None = None) -> None:
         """Measure ``model``'s gradients; call once, before its first forward.
@@ -210,7 +199,7 @@ class GradientNoiseScale:
         """
         if self._probe is not None:
             raise RuntimeError("this GradientNoiseScale is already attached to a model")
-        common = _ProbeOptions(average_micro_steps=bool(average_micro_steps), precondition=self._wants_precondition,
+        common = ProbeOptions(average_micro_steps=bool(average_micro_steps), precondition=self._wants_precondition,
                                precondition_interval=self._precondition_interval,
                                measure_interval=self._measure_interval, grad_scaler=lambda: self.grad_scaler,
                                on_step_start=self.flush, on_failure=self.detach)
@@ -247,7 +236,7 @@ class GradientNoiseScale:
         self._probe, self._config = None, None
         self.attach(model, average_micro_steps=average, is_last_micro_step=is_last_micro_step)
 
-    def follow_group(self, process_group: Any, world_size: int) -> None:
+    def follow_group(self, process_group: dist.ProcessGroup | None, world_size: int) -> None:
         """The model now reduces over ``process_group`` of ``world_size`` replicas (a live membership change).
 
         A step in progress is not measured; the next configured step is.  The
@@ -403,14 +392,14 @@ class GradientNoiseScale:
             self._probe.forget_partner()
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The estimates as plain floats, ints, lists and strings (format :attr:`version`)."""
         with self._lock:
             self._flush()
             return {"version": self.version, **self._averages.state_fields(),
                     "init_batch_size": self._config.init_batch_size if self._config else 0}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict` (same number of parameter groups; versions 1 and 2)."""
         fields = read_state("GradientNoiseScale", state, self)
         check_fields("GradientNoiseScale state", fields, _STATE_FIELDS)

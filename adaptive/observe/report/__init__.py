@@ -21,6 +21,8 @@ line is ``adaptive report RUN_DIR`` (:mod:`adaptive.observe.cli`).  Names
 are imported on first use, so the summary works without matplotlib.
 """
 
+from typing import TYPE_CHECKING
+
 from adaptive._utils.lazy import lazy_exports
 
 _EXPORTS = {
@@ -44,3 +46,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from adaptive.observe.report._png import INSTALL_HINT, MissingDependencyError, render_png
+    from adaptive.observe.report._runs import ProcessSpan, Run, find_metrics_file, load_run
+    from adaptive.observe.report._summary import (ProgressLoss, ReplicaChange, RunSummary, progress_losses,
+                                                  replica_changes, resumed_step, summarize)
+    from adaptive.observe.report._text import format_summary

@@ -13,11 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from adaptive._utils.text import format_duration
+from adaptive._utils.types import JSON
 from adaptive.observe.report._runs import Run, finite_number
 from adaptive.observe.report._summary import ProgressLoss, RunSummary, summarize
+
+if TYPE_CHECKING:  # matplotlib is optional: imported when a PNG is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ _REPLICA_COLOR = "tab:green"
 _LOSS_COLOR = "tab:orange"
 
 
-def _load_matplotlib() -> Any:
+def _load_matplotlib() -> type[Figure]:
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
@@ -69,10 +74,10 @@ def _time_axis(run: Run) -> tuple[float, float, str]:
 
 
 #: The x value of a step record on one axis (its step, or its time), or None where it has none.
-_XOf = Callable[[dict[str, Any]], float | None]
+_XOf = Callable[[JSON], float | None]
 
 
-def _series(records: Sequence[dict[str, Any]], key: str, x_of: _XOf) -> tuple[list[float], list[float]]:
+def _series(records: Sequence[JSON], key: str, x_of: _XOf) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for record in records:
         x, y = x_of(record), finite_number(record.get(key))
@@ -82,7 +87,7 @@ def _series(records: Sequence[dict[str, Any]], key: str, x_of: _XOf) -> tuple[li
     return xs, ys
 
 
-def _draw_panel(ax: Any, run: Run, keys: Sequence[tuple[str, str, str]], x_of: _XOf, log_ok: bool) -> None:
+def _draw_panel(ax: Axes, run: Run, keys: Sequence[tuple[str, str, str]], x_of: _XOf, log_ok: bool) -> None:
     colors = ("tab:blue", "tab:orange", "tab:purple")
     positive = True
     for index, (key, label, style) in enumerate(keys):
@@ -100,7 +105,7 @@ def _draw_panel(ax: Any, run: Run, keys: Sequence[tuple[str, str, str]], x_of: _
     ax.grid(True, alpha=0.3)
 
 
-def _legend(ax: Any) -> None:
+def _legend(ax: Axes) -> None:
     """One legend entry per label (every process draws its own line)."""
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
@@ -108,7 +113,7 @@ def _legend(ax: Any) -> None:
         ax.legend(list(unique.values()), list(unique.keys()), fontsize=8, loc="best")
 
 
-def _mark_step_axis(ax: Any, run: Run, summary: RunSummary, label: bool) -> None:
+def _mark_step_axis(ax: Axes, run: Run, summary: RunSummary, label: bool) -> None:
     # A restart is drawn wide and under the replica-change line, which usually falls on the same step:
     # both stay visible.
     for number, process in enumerate(run.processes[1:]):
@@ -124,7 +129,7 @@ def _mark_step_axis(ax: Any, run: Run, summary: RunSummary, label: bool) -> None
                    label="trained again (progress lost)" if label and number == 0 else None)
 
 
-def _mark_time_axis(ax: Any, run: Run, summary: RunSummary, origin: float, unit: float) -> None:
+def _mark_time_axis(ax: Axes, run: Run, summary: RunSummary, origin: float, unit: float) -> None:
     spans = run.processes
     for earlier, later in zip(spans, spans[1:]):
         ax.axvspan((earlier.end_time - origin) / unit, (later.start_time - origin) / unit,
@@ -136,7 +141,7 @@ def _mark_time_axis(ax: Any, run: Run, summary: RunSummary, origin: float, unit:
         ax.axvline((loss.time - origin) / unit, color=_LOSS_COLOR, linestyle="-", linewidth=2.5)
 
 
-def _annotate_replicas(ax: Any, summary: RunSummary) -> None:
+def _annotate_replicas(ax: Axes, summary: RunSummary) -> None:
     for change in summary.replica_changes:
         if change.step is not None:
             ax.annotate(f"{change.before}->{change.after} replicas", xy=(change.step, 1.0),
@@ -149,7 +154,7 @@ def _loss_label(loss: ProgressLoss) -> str:
     return f"process {loss.process + 1} {what}: {loss.steps_lost} steps lost"
 
 
-def _annotate_losses(ax: Any, summary: RunSummary, origin: float | None = None, unit: float = 1.0) -> None:
+def _annotate_losses(ax: Axes, summary: RunSummary, origin: float | None = None, unit: float = 1.0) -> None:
     """Label each loss of progress: at its steps on the step axis, at its time on the time axis."""
     for number, loss in enumerate(summary.progress_losses):
         on_time_axis = origin is not None
@@ -215,7 +220,7 @@ def _totals_series(run: Run) -> dict[str, list[tuple[float | None, float, float]
     return series
 
 
-def _draw_totals(ax: Any, series: dict[str, list[tuple[float | None, float, float]]], by_time: bool,
+def _draw_totals(ax: Axes, series: dict[str, list[tuple[float | None, float, float]]], by_time: bool,
                  origin: float, unit: float) -> None:
     for label, points in sorted(series.items()):
         xs = [(when - origin) / unit if by_time else step for step, when, _ in points]
@@ -247,10 +252,10 @@ def render_png(run: Run, output: str, summary: RunSummary | None = None, *, dpi:
     figure = Figure(figsize=(14, 3 * rows + 1), dpi=dpi, layout="constrained")
     axes = figure.subplots(rows, 2, sharex="col", squeeze=False)
 
-    def by_step(record: dict[str, Any]) -> float | None:
+    def by_step(record: JSON) -> float | None:
         return finite_number(record.get("step"))
 
-    def by_time(record: dict[str, Any]) -> float | None:
+    def by_time(record: JSON) -> float | None:
         when = finite_number(record.get("time"))
         return None if when is None else (when - origin) / unit
 

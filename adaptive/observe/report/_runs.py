@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Iterable
 
+from adaptive._utils.types import JSON
 from adaptive.observe import metrics
 
 
@@ -33,8 +34,8 @@ class ProcessSpan:
     pid: int | None
     start_time: float
     end_time: float
-    steps: tuple[dict[str, Any], ...]
-    events: tuple[dict[str, Any], ...]
+    steps: tuple[JSON, ...]
+    events: tuple[JSON, ...]
 
     @property
     def first_step(self) -> int | None:
@@ -47,7 +48,7 @@ class ProcessSpan:
         return self.steps[-1].get("step") if self.steps else None
 
     @property
-    def start_event(self) -> dict[str, Any] | None:
+    def start_event(self) -> JSON | None:
         """Its ``start`` event (what it resumed), None when it wrote none."""
         return next((event for event in self.events if event.get("event") == "start"), None)
 
@@ -69,12 +70,12 @@ class Run:
     loader: str | None = None
 
     @property
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self) -> list[JSON]:
         """All step records, in time order."""
         return [record for process in self.processes for record in process.steps]
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[JSON]:
         """All events, in time order."""
         return [record for process in self.processes for record in process.events]
 
@@ -108,7 +109,7 @@ def load_run(run_dir: str) -> Run:
     return Run(path=path, processes=tuple(_split_processes(steps, events)), loader=loader)
 
 
-def _training_loader_records(steps: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+def _training_loader_records(steps: list[JSON]) -> tuple[list[JSON], str | None]:
     """Keep the records of one loader when records name several (the one with the most records)."""
     names = [record["loader"] for record in steps if record.get("loader") is not None]
     if len(set(names)) <= 1:
@@ -117,45 +118,56 @@ def _training_loader_records(steps: list[dict[str, Any]]) -> tuple[list[dict[str
     return [record for record in steps if record.get("loader") in (None, chosen)], chosen
 
 
-def _split_processes(steps: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]]) -> list[ProcessSpan]:
+@dataclass
+class _OpenSpan:
+    """The records of the process being read, until the next one starts."""
+
+    pid: int | None
+    start: float
+    end: float
+    steps: list[JSON] = field(default_factory=list)
+    events: list[JSON] = field(default_factory=list)
+
+
+def _split_processes(steps: Iterable[JSON], events: Iterable[JSON]) -> list[ProcessSpan]:
     """Group records by writing process: a new pid, or a ``start`` event, starts a new one."""
     ordered = sorted([(record_time(r), False, r) for r in steps] + [(record_time(r), True, r) for r in events],
                      key=lambda item: item[0])
     spans: list[ProcessSpan] = []
-    current: dict[str, Any] | None = None
+    current: _OpenSpan | None = None
     for when, is_event, record in ordered:
-        restarted = current is not None and (record.get("pid") != current["pid"]
+        restarted = current is not None and (record.get("pid") != current.pid
                                              or (is_event and record.get("event") == "start"))
         if current is None or restarted:
             if current is not None:
                 spans.append(_close(current))
-            current = {"pid": record.get("pid"), "start": when, "end": when, "steps": [], "events": []}
-        current["end"] = when
-        current["events" if is_event else "steps"].append(record)
+            current = _OpenSpan(pid=record.get("pid"), start=when, end=when)
+        current.end = when
+        (current.events if is_event else current.steps).append(record)
     if current is not None:
         spans.append(_close(current))
     return spans
 
 
-def record_time(record: dict[str, Any]) -> float:
+def record_time(record: JSON) -> float:
     """A record's unix time (0 when missing or malformed, so such a record sorts first)."""
     value = finite_number(record.get("time"))
     return 0.0 if value is None else value
 
 
-def _close(current: dict[str, Any]) -> ProcessSpan:
-    return ProcessSpan(pid=current["pid"], start_time=float(current["start"]), end_time=float(current["end"]),
-                       steps=tuple(current["steps"]), events=tuple(current["events"]))
+def _close(current: _OpenSpan) -> ProcessSpan:
+    return ProcessSpan(pid=current.pid, start_time=float(current.start), end_time=float(current.end),
+                       steps=tuple(current.steps), events=tuple(current.events))
 
 
-def finite_number(value: Any) -> float | None:
+def finite_number(value: object) -> float | None:
     """A record field as a float; None when it is missing, not a number, or not finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def finite_int(value: Any) -> int | None:
+def finite_int(value: object) -> int | None:
     """A record field as an int (see :func:`finite_number`)."""
     as_float = finite_number(value)
     return None if as_float is None else int(as_float)

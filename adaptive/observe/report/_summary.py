@@ -13,8 +13,9 @@ mean goodput relative to the goodput measured at the initial batch size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
+from adaptive._utils.types import JSON
 from adaptive.observe.report._runs import Run, finite_int, finite_number, record_time
 
 #: Records at the initial batch size that define the baseline goodput.
@@ -130,7 +131,7 @@ class RunSummary:
         """Optimizer steps trained again over the whole run (see :class:`ProgressLoss`)."""
         return sum(loss.steps_lost for loss in self.progress_losses)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         """Plain JSON-ready form (for ``adaptive report --json``)."""
         out = {key: getattr(self, key) for key in self.__dataclass_fields__}
         out["replica_changes"] = [vars(change) for change in self.replica_changes]
@@ -143,7 +144,7 @@ class RunSummary:
 
 
 
-def replica_changes(records: Sequence[dict[str, Any]], loader: str | None = None) -> list[ReplicaChange]:
+def replica_changes(records: Sequence[JSON], loader: str | None = None) -> list[ReplicaChange]:
     """Records (in time order) whose ``replicas`` differs from the previous record that has one.
 
     Step records always carry ``replicas``; events may (a ``start`` event
@@ -167,12 +168,12 @@ def replica_changes(records: Sequence[dict[str, Any]], loader: str | None = None
 
 
 
-def _started_from_scratch(start: dict[str, Any]) -> bool:
+def _started_from_scratch(start: JSON) -> bool:
     """A ``start`` event that says its process resumed no checkpoint (``"resumed": null``)."""
     return "resumed" in start and start["resumed"] is None
 
 
-def resumed_step(start: dict[str, Any], loader: str | None = None) -> int | None:
+def resumed_step(start: JSON, loader: str | None = None) -> int | None:
     """The optimizer step of ``loader`` a process continued from, read from its ``start`` event.
 
     0 when it resumed no checkpoint.  Otherwise the step the checkpoint was
@@ -253,14 +254,14 @@ def progress_losses(run: Run) -> list[ProgressLoss]:
     return losses
 
 
-def _batch_size_of(record: dict[str, Any]) -> int | None:
+def _batch_size_of(record: JSON) -> int | None:
     """Global batch size a record reports: a step record's, or a batch-size decision's new size."""
     if record.get("event") == "batch_size":
         return record.get("after")
     return record.get("batch_size")
 
 
-def _baseline_goodput(steps: Sequence[dict[str, Any]]) -> tuple[float | None, list[str]]:
+def _baseline_goodput(steps: Sequence[JSON]) -> tuple[float | None, list[str]]:
     """Mean goodput of the first records at the initial batch size (the run's starting point)."""
     notes: list[str] = []
     initial = next((r.get("batch_size") for r in steps if r.get("batch_size") is not None), None)
@@ -324,7 +325,7 @@ def summarize(run: Run) -> RunSummary:
         progress_losses=tuple(progress_losses(run)))
 
 
-def _first_step_after(steps: Sequence[dict[str, Any]], when: float) -> int | None:
+def _first_step_after(steps: Sequence[JSON], when: float) -> int | None:
     """The step of the first step record at or after ``when`` (None if none)."""
     return next((finite_int(r.get("step")) for r in steps
                  if record_time(r) >= when and finite_int(r.get("step")) is not None), None)
