@@ -53,6 +53,7 @@ Live workers are forks of their node's pre-warmed process, as by default;
 ``--cold-start`` runs them as new interpreters, for comparison.
 
     python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH] [--no-torchft] [--cold-start]
+                                    [--loader-workers N]
 
 Prints a table; writes JSON (default ``benchmarks/results/bench_live.json``).
 """
@@ -356,7 +357,11 @@ def main() -> None:
     parser.add_argument("--no-torchft", action="store_true", help="skip the TorchFT column even if it is installed")
     parser.add_argument("--cold-start", action="store_true",
                         help="live workers start as new interpreters, not forked from the pre-warmed process")
+    parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                        help="persistent DataLoader worker processes in every job measured (as pytorch/examples' "
+                             "mnist has one); default 0")
     args = parser.parse_args()
+    os.environ["BENCH_LOADER_WORKERS"] = str(args.loader_workers)  # the workers inherit it
     with tempfile.TemporaryDirectory() as bytecode:
         _cache_bytecode(Path(bytecode))
         _run(args)

@@ -153,6 +153,8 @@ def _status(workdir: Path) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_executor_run_stops_its_job_gracefully_and_a_second_run_resumes_it_to_the_end(processes, tmp_path):
     workdir, out = tmp_path / "executor", tmp_path / "job"
     out.mkdir()

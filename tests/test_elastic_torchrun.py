@@ -55,6 +55,8 @@ def test_sigkill_one_worker_rolls_back_and_finishes_exactly(jobs, tmp_path):
         generations
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_graceful_stop_then_relaunch_at_1_and_3_replicas_resumes_exactly(jobs, tmp_path):
     out = tmp_path / "rescale"
     stops = []
@@ -186,7 +188,7 @@ def test_autoscale_changes_batch_mid_epoch_and_redecides_after_rescale(jobs, tmp
                f"replica count changed from 1 to {replicas}" in text, tail(out / name)
 
 
-@pytest.mark.parametrize("loader_workers", [0, 1])
+@pytest.mark.parametrize("loader_workers", [0, pytest.param(1, marks=[pytest.mark.slow, pytest.mark.ci_sample])])
 def test_a_killed_peer_is_one_line_per_survivor_without_tracebacks(jobs, tmp_path, loader_workers):
     """SIGKILL of one worker in the middle of DDP's gradient all-reduce: the survivors each say so in one line
     (their traceback goes to the DEBUG log), write nothing, and the restarted group finishes exactly."""

@@ -170,7 +170,7 @@ def test_a_stale_job_stops_with_one_clear_line_and_writes_nothing(job: Path, how
             stopping.save_or_exit({"reason": "periodic"}, blocking=False)
     assert stopped.value.code == STALE
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert lines == [f"generation 1 of this job is stale: generation 2 took over the checkpoint folder "
+    assert lines == [f"folder generation 1 of this job is stale: folder generation 2 took over the checkpoint folder "
                      f"{job / 'checkpoints'} (a relaunch, or the same job launched twice); this incarnation "
                      f"publishes nothing and exits with {STALE}"], lines
     assert _snapshot(job / "checkpoints") == before
@@ -256,7 +256,7 @@ def test_a_frozen_incarnation_wakes_up_stale_publishes_nothing_and_exits(tmp_pat
         log = (tmp_path / "first" / "log.txt").read_text()
         assert code == STALE, tail(tmp_path / "first" / "log.txt")
         assert time.monotonic() - woke < 30
-        assert "generation 1 of this job is stale: generation 2 took over the checkpoint folder" in log, log[-3000:]
+        assert "folder generation 1 of this job is stale: folder generation 2 took over the checkpoint folder" in log, log[-3000:]
         assert _snapshot(ckpt) == before  # published nothing, changed nothing
         wait_for(lambda: not live_pids(frozen), 10, f"every process of the first incarnation to be gone: "
                                                  f"{live_pids(frozen)}")
@@ -270,6 +270,8 @@ def test_a_frozen_incarnation_wakes_up_stale_publishes_nothing_and_exits(tmp_pat
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_of_two_incarnations_running_at_once_only_the_newer_publishes(tmp_path: Path) -> None:
     """A partition: the older incarnation stops at its next agreement; from then on only the newer publishes.
 
@@ -294,7 +296,7 @@ def test_of_two_incarnations_running_at_once_only_the_newer_publishes(tmp_path: 
         assert older.poll() is None, "the older incarnation must still be training when it is fenced"
         gate.touch()
         assert wait_exit(older, 30, tmp_path / "older" / "log.txt") == STALE
-        assert "generation 1 of this job is stale: generation 2" in (tmp_path / "older" / "log.txt").read_text()
+        assert "folder generation 1 of this job is stale: folder generation 2" in (tmp_path / "older" / "log.txt").read_text()
         wait_for(lambda: not live_pids(older_pids), 10, f"the older incarnation's processes to be gone: "
                                                      f"{live_pids(older_pids)}")
         assert wait_exit(newer, 240, tmp_path / "newer" / "log.txt") == 0

@@ -18,6 +18,7 @@ import sys
 import time
 
 import portpicker
+import pytest
 import psutil
 
 from elastic_harness import live_pids, wait_exit, wait_for
@@ -302,8 +303,96 @@ def test_a_launcher_stopped_while_its_worker_waits_to_be_admitted_ends_at_once(j
 def test_only_an_agent_on_the_endpoints_machine_hosts_the_store():
     """An agent hosts the job's store only when ``--rdzv-endpoint`` names an address of its own machine:
     one on another machine, whose own port is free, must connect instead of hosting a store of its own."""
-    from adaptive.elastic.live_agent import _is_this_machine
+    from adaptive.elastic.live_store import is_this_machine as _is_this_machine
 
     assert _is_this_machine("127.0.0.1") and _is_this_machine("localhost")
     assert not _is_this_machine("192.0.2.1")  # TEST-NET-1: no machine's address
     assert not _is_this_machine("no-such-host.invalid")
+
+
+def _live_args(port: int, *extra: str) -> list[str]:
+    return ["--live", "--nnodes", "1:4", "--nproc-per-node", "1", "--max-restarts", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
+
+
+def test_the_store_listens_on_the_endpoints_address_only_and_refuses_another_job(jobs, tmp_path):
+    """The hosting launcher's store listens on 127.0.0.1 (the endpoint), not on every interface; a launcher
+    of another job (another --rdzv-id) on the same endpoint is refused before it starts a worker, with exit 2,
+    and the running job goes on alone."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "5", "WORKER_STEP_SLEEP": "0.05", "WORKER_SAMPLES": str(SAMPLES),
+                "WORKER_BATCH": str(BATCH)}
+    first = jobs.launch(_live_args(port), out, "first.log", script=LIVE_WORKER, **settings)
+    records = wait_steps(out, lambda rs: len(rs) >= 3, "the first node to train")
+    listening = [c.laddr for c in psutil.Process(first.pid).net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening and {address.ip for address in listening} == {"127.0.0.1"}, listening
+    other = jobs.launch(_live_args(port, "--rdzv-id", "another-job"), out, "other.log", script=LIVE_WORKER,
+                        **settings)
+    assert wait_exit(other, 60, out / "other.log") == 2, logs(out)
+    said = (out / "other.log").read_text()
+    assert "serves another job" in said and "another-job" in said and "Traceback" not in said, said
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    assert {r["pid"] for r in steps(out)} == {records[0]["pid"]} and {r["world"] for r in steps(out)} == {1}
+
+
+def _without_debug_traceback(log: str) -> str:
+    """``log`` without the traceback the worker keeps at DEBUG for a peer failure (live_worker turns it on)."""
+    kept, skipping = [], False
+    for line in log.splitlines():
+        if "adaptive.runtime.peer_failure: the failed collective" in line:
+            skipping = True
+        elif line.startswith(("[pid ", "adaptive-run")):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
+def test_losing_the_node_that_hosts_the_store_ends_the_others_with_75_and_a_relaunch_resumes(jobs, tmp_path):
+    """SIGKILL of the launcher that hosts the job's store while two nodes train: the other node ends within
+    seconds with 75 (relaunch) and one line, no traceback, its worker gone; a relaunch resumes from the newest
+    checkpoint and every sample is trained once per epoch."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "5", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "1"}
+    host = launch(jobs, out, port, "host", restarts=1, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 4, "the first node to train")
+    other = launch(jobs, out, port, "other", restarts=1, **settings)
+    wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 8, "the second node to join")
+    workers = worker_pids(host.pid) + worker_pids(other.pid)
+    assert len(workers) == 2, workers
+    host.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    assert wait_exit(other, 30, out / "other.log") == 75, logs(out)
+    ended_in = time.monotonic() - started
+    assert wait_for(lambda: live_pids(workers) == [], 10, "the workers to be gone"), live_pids(workers)
+    said = (out / "other.log").read_text(errors="replace")
+    assert "has not answered" in said and "Traceback" not in _without_debug_traceback(said), said
+    assert ended_in < 20, ended_in
+    again = launch(jobs, out, portpicker.pick_unused_port(), "again", **settings)
+    assert wait_exit(again, 120, out / "again.log") == 0, logs(out)
+    last = {r["epoch"]: r for r in map(json.loads, (out / "epochs.jsonl").read_text().splitlines())}
+    assert sorted(last) == list(range(5))
+    assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in last.values()), last
+
+
+def test_a_job_identity_names_what_differs_and_the_store_keeps_the_first_one():
+    import datetime
+
+    import torch.distributed as dist
+
+    from adaptive.elastic import live_store
+
+    port = portpicker.pick_unused_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    first = live_store.JobIdentity("train", "none", "train.py", ("--lr", "0.1"))
+    live_store.claim_identity(store, first)
+    live_store.claim_identity(store, first)  # the same job: welcome
+    other = live_store.JobIdentity("train", "none", "train.py", ("--lr", "0.2"))
+    assert other.differences(first) == ["args: ('--lr', '0.2') here, ('--lr', '0.1') in the job"]
+    with pytest.raises(live_store.IdentityMismatch) as refused:
+        live_store.claim_identity(store, other)
+    assert refused.value.code == live_store.CONFIG_ERROR_EXIT_CODE

@@ -240,6 +240,8 @@ def test_a_join_and_a_kill_at_one_boundary(jobs, tmp_path):
         f"the killed worker's replacement did not join: {sorted({(r['pid'], r['world']) for r in after})}"
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_a_member_lost_as_a_loop_starts_is_left_behind_without_a_rollback(jobs, tmp_path):
     """Rank 1 dies as epoch 4's loader loop is about to start, so rank 0 loses it at that loop's first
     boundary, before the loop's first snapshot: nothing of the loop was trained, so rank 0 re-forms

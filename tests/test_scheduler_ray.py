@@ -209,6 +209,8 @@ def test_suspect_node_is_left_out_until_a_probe_pinned_to_it_answers(cluster):
     assert pool.suspects == {} and pool.usable(node)
 
 
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_job_across_two_nodes_stops_gracefully_and_resumes_exactly(cluster, tmp_path):
     backend = RayBackend(str(tmp_path / "logs"), RayPool("slot", refresh=0), timeout=60)
     job = job_spec(tmp_path, "pair", epochs=3, sleep=0.1)

@@ -112,6 +112,9 @@ def test_preload_imports_more_modules_and_warns_of_missing_ones(jobs, tmp_path):
     (["--preload", "json"], "--preload and --cold-start apply to --live only"),
     (["--live", "--cold-start", "--preload", "json"], "--preload has nothing to preload into with --cold-start"),
     (["--live", "--preload", "not a module"], "--preload takes module names"),
+    (["--live", "--rdzv-conf", "is_host=1"], "--live runs its own agent, which does not use --rdzv-conf"),
+    (["--live", "--log-dir", "logs", "--redirects", "3"], "does not use --log-dir, --redirects; leave them out"),
+    (["--live", "--rdzv-backend", "etcd"], "does not use --rdzv-backend=etcd"),
 ])
 def test_bad_warm_start_options_are_refused(options, message, tmp_path):
     command = [sys.executable, "-m", "adaptive.elastic.launcher", "--standalone", *options, str(PROBE)]

@@ -260,7 +260,7 @@ def resumed_checkpoint() -> Checkpoint | None:
     if resumed is not None:
         logger.log(
             logging.INFO if env.rank() == 0 else logging.DEBUG,
-            "resuming from checkpoint %d in %s as generation %s (saved at epoch %s, step %s, with %s replicas; "
+            "resuming from checkpoint %d in %s as folder generation %s (saved at epoch %s, step %s, with %s replicas; "
             "now %d replicas)",
             resumed.info.seq,
             store.root,

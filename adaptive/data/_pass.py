@@ -129,12 +129,24 @@ class LoaderPass:
         self.context: StepContext | None = None  # the micro-step published for the models and optimizers
         self._weights: list[float] = []  # the step's micro-batches' loss weights
         self._last_step: tuple[int, int] | None = None  # (micro size, micro-steps) of the last step taken
-        self._boundaries = LoopBoundaries(self.checkpoint_metadata, self.where)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> Iterator[object]:
-        """Yield the loop's micro-batches from the committed position; ``break`` counts as finishing it."""
+        """Yield the loop's micro-batches from the committed position; ``break`` counts as finishing it.
+
+        The plan, and with it the DataLoader iterator of a pass without
+        persistent workers, is let go when the pass ends, here in this
+        process: left to the garbage collector, a copy of it could be
+        collected in a DataLoader worker forked later, which cannot shut
+        down workers that are not its own.
+        """
+        try:
+            yield from self._run()
+        finally:
+            self.plan = None
+
+    def _run(self) -> Iterator[object]:
         loader = self.loader
         if loader._state.finished.get(self.key, 0) >= self.loop:
             logger.log(rank0_info(), "loader %s: loop %d of epoch %s already finished before the restart; "
@@ -145,9 +157,10 @@ class LoaderPass:
         random_state.restore_at("loop")  # the first pass after a restart resumes the random generators too
         loader._timing.reset()
         sync_points.restart_spacing()  # this loop's steps may be much longer or shorter than the last loop's
+        boundaries = LoopBoundaries(self.checkpoint_metadata, self.where)
         try:
             while not epoch.training_finished():  # finish_training() in the loop body ends the loop
-                step = self._boundaries.cross(self._after_boundary, self._next_step)
+                step = boundaries.cross(self._after_boundary, self._next_step)
                 if step is None:
                     break
                 assert self.plan is not None
@@ -156,7 +169,7 @@ class LoaderPass:
                 for micro in range(count):
                     self._publish(step, micro)
                     yield loader._timing.fetch(self.plan.batches, last=micro == count - 1)
-                if self._boundaries.step_lost():  # live mode: discarded, not committed; the boundary goes back
+                if boundaries.step_lost():  # live mode: discarded, not committed; the boundary goes back
                     self._end_step(None)
                     continue
                 self._commit(step)

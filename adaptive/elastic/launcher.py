@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+import argparse
 from argparse import Namespace
 from typing import Any
 
@@ -106,8 +107,33 @@ def build_args(argv: list[str]) -> Namespace:
     for name in args.preload:
         if not all(part.isidentifier() for part in name.split(".")):
             parser.error(f"--preload takes module names such as 'transformers', got {name!r}")
+    if args.live:
+        unused = _unused_in_live_mode(parser, args)
+        if unused:
+            parser.error(f"--live runs its own agent, which does not use {', '.join(unused)}; leave "
+                         f"{'it' if len(unused) == 1 else 'them'} out (see docs/live.md)")
     args.rdzv_conf = _merge_rdzv_conf(args.rdzv_conf or "")
     return args
+
+
+#: torchrun's options that ``adaptive-run --live`` does not use (its agent and the job's store replace
+#: torchrun's agent and rendezvous); given with another value than their default, they are refused.
+LIVE_UNUSED = ("rdzv_conf", "monitor_interval", "start_method", "event_log_handler", "role", "no_python",
+               "run_path", "log_dir", "redirects", "tee", "local_ranks_filter", "duplicate_stdout_filters",
+               "duplicate_stderr_filters", "node_rank", "master_addr", "master_port", "local_addr", "logs_specs",
+               "numa_binding", "signals_to_handle", "shutdown_timeout", "virtual_local_rank")
+#: The rendezvous backends live mode accepts (its store takes the rendezvous' place either way).
+LIVE_RDZV_BACKENDS = ("static", "c10d")
+
+
+def _unused_in_live_mode(parser: argparse.ArgumentParser, args: Namespace) -> list[str]:
+    """The options given that live mode would silently ignore, as the user spelled them."""
+    given = [name for name in LIVE_UNUSED
+             if hasattr(args, name) and getattr(args, name) != parser.get_default(name)]
+    if args.rdzv_backend not in LIVE_RDZV_BACKENDS:
+        given.append("rdzv_backend")
+    return ["--" + name.replace("_", "-") + (f"={getattr(args, name)}" if name == "rdzv_backend" else "")
+            for name in given]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ[process_tree.PARENT_PID_VAR] = str(os.getpid())  # the workers, inheriting it, die with us
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = sys.argv[1:] if argv is None else argv
+    if "--live" in argv:
+        # torch's C++ warnings (a stack of 50 frames for each call to a store that is gone) would bury the one
+        # line live mode says when the job's store is lost; the user's own level wins.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     warm = warm_start.start_early(argv)  # its imports run beside ours: parsing the arguments imports torch
     args = build_args(argv)
     if warm is not None and (not args.live or args.cold_start):

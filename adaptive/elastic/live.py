@@ -323,7 +323,12 @@ def _reform(where: tuple[Any, ...], at_loop_start: bool) -> list[Any] | None:
     to :data:`REFORM_ATTEMPTS` times.
     """
     for attempt in range(1, REFORM_ATTEMPTS + 1):
-        following = reforming.reform_after_loss(REFORM_TIMEOUT)
+        try:
+            following = reforming.reform_after_loss(REFORM_TIMEOUT)
+        except (RuntimeError, OSError) as error:  # DistNetworkError: the store went with the node that hosted it
+            logger.error("the live job's store does not answer (%s: the node that hosted it was lost?); restarting "
+                         "from the checkpoint", type(error).__name__)
+            return None
         if following is None:
             logger.error("the members that are left took this one for dead; restarting it")
             return None

@@ -34,32 +34,38 @@ arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
   sees its workers leave at the job's next agreement, with nothing lost, and
   starts none of them again.
 
+The job's store listens on the endpoint's address only and serves one job
+(:mod:`adaptive.elastic.live_store`): a launcher of another job is refused
+with 2.  When the node that hosts it is lost, the others end their workers
+and exit with 75, for a supervisor to relaunch them (the job resumes from
+its newest checkpoint).
+
 Exit status: 0 when every worker finished, 143 when they left (drained too) or
-stopped gracefully, 3 when fenced, 1 when a worker failed more often than allowed.
+stopped gracefully, 3 when fenced, 1 when a worker failed more often than
+allowed, 2 when the endpoint serves another job, 75 when the job's store was
+lost with its host node.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import re
-import socket
 import signal
 import subprocess
 import time
 from argparse import Namespace
 from types import FrameType
-from typing import Any
 
 import portpicker
 
+from adaptive.elastic import live_store
 from adaptive.elastic.warm_start import WarmStarter, WarmWorker, worker_command
 from adaptive.runtime import draining, env, launch_status, live_protocol, membership, process_tree
 from adaptive.runtime.liveness import BEAT_INTERVAL  # an agent's signs of life come as often as a worker's
 
-__all__ = ["run", "LiveConfig", "LiveAgent", "DONE_EXIT_CODES"]
+__all__ = ["run", "LiveConfig", "LiveAgent", "DONE_EXIT_CODES", "STORE_LOST_EXIT_CODE"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,10 @@ DONE_EXIT_CODES = (0, 143)
 POLL = 0.05
 #: Seconds the workers get to leave after a stop signal before they are killed.
 STOP_GRACE = 60.0
+#: Seconds the job's store may fail to answer before this node ends (its host node was lost).
+STORE_LOSS_GRACE = 3.0
+#: Exit status after the job's store was lost with its host node: relaunch (sysexits' EX_TEMPFAIL).
+STORE_LOST_EXIT_CODE = 75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +95,14 @@ class LiveConfig:
     host: str  # the job's store: the rendezvous endpoint (127.0.0.1 and a free port with --standalone)
     port: int
     job_id: str  # the job's name in the store (ADAPTIVE_JOB_ID, else the script's name)
+    rdzv_id: str  # --rdzv-id: launchers of one job give the same (torchrun's default "none" included)
     cold_start: bool = False
     preload: tuple[str, ...] = ()
+
+    def identity(self) -> live_store.JobIdentity:
+        """What the job's other launchers must share with this one."""
+        return live_store.JobIdentity(self.job_id, self.rdzv_id, self.script,
+                                      ("-m",) * self.module + self.script_args)
 
     @classmethod
     def from_args(cls, args: Namespace) -> LiveConfig:
@@ -102,6 +118,7 @@ class LiveConfig:
         return cls(script=str(args.training_script), script_args=tuple(args.training_script_args),
                    module=bool(args.module), per_node=per_node, smallest=smallest, largest=largest,
                    max_restarts=int(args.max_restarts), host=host, port=port, job_id=_job_id(args),
+                   rdzv_id=str(args.rdzv_id),
                    cold_start=bool(args.cold_start), preload=tuple(args.preload))
 
 
@@ -146,38 +163,6 @@ def _job_id(args: Namespace) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", stem or "default")
 
 
-def _is_this_machine(host: str) -> bool:
-    """Whether ``host`` names an address of this machine (one a socket here can bind to)."""
-    try:
-        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except OSError:
-        return False
-    for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.bind((address, 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def _host_or_connect(host: str, port: int) -> tuple[Any, bool]:
-    """The job's TCPStore: hosted here when the endpoint is this machine's and free, else the one another agent
-    hosts (an agent on another machine never hosts: its own free port is not the endpoint)."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=60)
-    if _is_this_machine(host):
-        try:
-            return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False), True
-        except (RuntimeError, dist.DistNetworkError) as error:
-            if "address already in use" not in str(error).lower() and "eaddrinuse" not in str(error).lower():
-                raise
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False), False
-
-
 class LiveAgent:
     """Starts, watches and restarts this node's workers (see the module docstring)."""
 
@@ -185,8 +170,11 @@ class LiveAgent:
         self.config = config
         self.warm = warm
         self.restarts_left = config.max_restarts
-        self.store, self.hosting = _host_or_connect(config.host, config.port)
+        self.hosted = live_store.host_or_connect(config.host, config.port)
+        self.store, self.hosting = self.hosted.store, self.hosted.hosting
+        live_store.claim_identity(self.store, config.identity())
         self.node = int(self.store.add(live_protocol.AGENTS_KEY, 1))
+        self.store_lost_at: float | None = None  # when the store first failed to answer (monotonic)
         self._beat()
         self.status_dir = status_dir
         self.job_store = membership.job_store(self.store, config.job_id)  # the job's keys on the store
@@ -249,7 +237,8 @@ class LiveAgent:
         while any(slot.process is not None for slot in self.slots.values()):
             time.sleep(POLL)
             if time.monotonic() - self.beaten > BEAT_INTERVAL:
-                self._beat()
+                if not self._beat_or_note_loss():
+                    return self._end_without_store()
                 self._kill_hung()
             if self.stopping and stop_deadline is None:
                 stop_deadline = time.monotonic() + STOP_GRACE
@@ -266,6 +255,29 @@ class LiveAgent:
                     return status
         return self._exit_status()
 
+    def _beat_or_note_loss(self) -> bool:
+        """A sign of life; False once the store has not answered for :data:`STORE_LOSS_GRACE` seconds."""
+        try:
+            self._beat()
+        except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError: the host node is gone
+            now = time.monotonic()
+            if self.store_lost_at is None:
+                self.store_lost_at = now
+                logger.debug("the job's store did not answer: %s", error)
+            self.beaten = now
+            return now - self.store_lost_at < STORE_LOSS_GRACE
+        self.store_lost_at = None
+        return True
+
+    def _end_without_store(self) -> int:
+        """The node that hosts the job's store was lost: end this node, for a supervisor to relaunch it."""
+        logger.error("adaptive-run --live: the job's store at %s:%d has not answered for %.0f s (the node that "
+                     "hosted it was lost); ending node %d with %d: relaunch the job's nodes to resume from its "
+                     "newest checkpoint", self.config.host, self.config.port, STORE_LOSS_GRACE, self.node,
+                     STORE_LOST_EXIT_CODE)
+        self._kill_all()
+        return STORE_LOST_EXIT_CODE
+
     def _worker_exited(self, local_rank: int, code: int) -> int | None:
         """Restart or retire a worker that exited; an exit status when the whole agent must end now."""
         slot = self.slots[local_rank]
@@ -278,6 +290,8 @@ class LiveAgent:
             self._say_dead(local_rank)
         if code in DONE_EXIT_CODES or self.stopping or self._drained():
             return None
+        if not self._store_answers():  # the job cannot go on without its store: a restart would be spent
+            return self._end_without_store()
         if self.restarts_left <= 0:
             logger.error("adaptive-run --live: worker %d failed with %d and no restarts are left", local_rank, code)
             self._kill_all()
@@ -319,6 +333,14 @@ class LiveAgent:
                 self.job_store.set(live_protocol.dead_key(wid), "1")
         except (RuntimeError, OSError, ValueError) as error:
             logger.debug("could not report the death of worker %d: %s", local_rank, error)
+
+    def _store_answers(self) -> bool:
+        """Whether the job's store answers now (one read)."""
+        try:
+            self.store.check([live_protocol.AGENTS_KEY])
+            return True
+        except (RuntimeError, OSError):
+            return False
 
     def _drained(self) -> bool:
         """Whether this node was asked to drain (:mod:`adaptive.runtime.draining`): its workers are not started

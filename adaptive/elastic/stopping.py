@@ -122,9 +122,9 @@ def save_or_exit(info: Mapping[str, object], *, blocking: bool = True) -> int:
 
 def exit_stale(mine: int, newest: int) -> None:
     """Stop this stale incarnation: say so once per rank, tell adaptive-run, write nothing, exit."""
-    message = (f"generation {mine} of this job is stale: generation {newest} took over the checkpoint folder "
-               f"{env.checkpoint_path()} (a relaunch, or the same job launched twice); this incarnation "
-               f"publishes nothing and exits with {STALE_GENERATION_EXIT_CODE}")
+    message = (f"folder generation {mine} of this job is stale: folder generation {newest} took over the "
+               f"checkpoint folder {env.checkpoint_path()} (a relaunch, or the same job launched twice); this "
+               f"incarnation publishes nothing and exits with {STALE_GENERATION_EXIT_CODE}")
     logger.error("%s", message)
     launch_status.report_stale(mine, newest, message)
     current_job().exiting = True

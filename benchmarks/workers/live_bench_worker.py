@@ -19,6 +19,9 @@ import torch.distributed as dist  # noqa: E402
 OUT = os.environ["WORKER_OUT"]
 WIDTH = int(os.environ.get("BENCH_WIDTH", "1024"))
 STEPS = int(os.environ.get("BENCH_STEPS", "100000"))
+#: DataLoader worker processes (persistent, as pytorch/examples' mnist has one); 0: load in the training process.
+LOADER_WORKERS = int(os.environ.get("BENCH_LOADER_WORKERS", "0"))
+LOADER_OPTIONS = {"num_workers": LOADER_WORKERS, "persistent_workers": True} if LOADER_WORKERS else {}
 
 
 def build():
@@ -40,7 +43,8 @@ def plain() -> None:
     model, optimizer, data = build()
     model = torch.nn.parallel.DistributedDataParallel(model)
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=64 // dist.get_world_size(), sampler=sampler)
+    loader = torch.utils.data.DataLoader(data, batch_size=64 // dist.get_world_size(), sampler=sampler,
+                                         **LOADER_OPTIONS)
     steps = 0
     with open(os.path.join(OUT, f"steps.{os.getpid()}.jsonl"), "a") as handle:
         for epoch in range(1000):
@@ -71,7 +75,7 @@ def adaptive_job() -> None:
         model = adaptive.AdaptiveFSDP(model, optimizer, mesh=mesh, shard="root")
     else:
         model = adaptive.AdaptiveDataParallel(model, optimizer)
-    loader = adaptive.AdaptiveDataLoader(data, batch_size=64, shuffle=True)
+    loader = adaptive.AdaptiveDataLoader(data, batch_size=64, shuffle=True, **LOADER_OPTIONS)
     steps = 0
     with open(os.path.join(OUT, f"steps.{os.getpid()}.jsonl"), "a") as handle:
         for epoch in adaptive.remaining_epochs_until(1000):
