@@ -396,3 +396,19 @@ def test_a_job_identity_names_what_differs_and_the_store_keeps_the_first_one():
     with pytest.raises(live_store.IdentityMismatch) as refused:
         live_store.claim_identity(store, other)
     assert refused.value.code == live_store.CONFIG_ERROR_EXIT_CODE
+
+
+def test_a_worker_that_exits_with_a_usage_error_ends_its_node_without_spending_restarts(jobs, tmp_path):
+    """Exit status 2 (a bad argument, argparse's usage error) cannot be fixed by a restart: the node ends with 2
+    at once, its worker started once, although it had restarts to spend."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    script = tmp_path / "bad_arguments.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args(['--no-such-option'])\n")
+    started = time.monotonic()
+    node = jobs.launch(["--live", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}"], out, "node.log", script=script)
+    assert wait_exit(node, 60, out / "node.log") == 2, logs(out)
+    said = (out / "node.log").read_text()
+    assert "a usage or configuration error" in said and "starting it again" not in said, said
+    assert said.count("unrecognized arguments") == 1, said
+    assert time.monotonic() - started < 60

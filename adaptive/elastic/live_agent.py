@@ -42,8 +42,9 @@ its newest checkpoint).
 
 Exit status: 0 when every worker finished, 143 when they left (drained too) or
 stopped gracefully, 3 when fenced, 1 when a worker failed more often than
-allowed, 2 when the endpoint serves another job, 75 when the job's store was
-lost with its host node.
+allowed, 2 when the endpoint serves another job or a worker exited with 2 (a
+usage error, which a restart cannot fix: it is not started again), 75 when the
+job's store was lost with its host node.
 """
 
 from __future__ import annotations
@@ -290,6 +291,12 @@ class LiveAgent:
             self._say_dead(local_rank)
         if code in DONE_EXIT_CODES or self.stopping or self._drained():
             return None
+        if code == live_store.CONFIG_ERROR_EXIT_CODE:  # Python's own status for a bad argument or a missing script
+            logger.error("adaptive-run --live: worker %d exited with %d, a usage or configuration error (a bad "
+                         "argument, a script that cannot be opened) that a restart cannot fix; ending node %d",
+                         local_rank, code, self.node)
+            self._kill_all()
+            return live_store.CONFIG_ERROR_EXIT_CODE
         if not self._store_answers():  # the job cannot go on without its store: a restart would be spent
             return self._end_without_store()
         if self.restarts_left <= 0:
