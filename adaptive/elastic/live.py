@@ -58,7 +58,7 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from adaptive.checkpoint import fencing, handover, states
 from adaptive.elastic import random_state
@@ -67,6 +67,9 @@ from adaptive.runtime import (admitting, collectives, draining, env, fault_toler
                               reforming)
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
+
+if TYPE_CHECKING:
+    import torch.distributed
 
 __all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "drains_seen", "change", "snapshot_due",
            "take_snapshot", "recover"]
@@ -105,37 +108,39 @@ def joins_seen() -> int:
     When the store cannot be read (its launcher is gone), training goes on
     and no one is admitted.
     """
-    if not membership.is_live() or env.rank() != 0:
-        return 0
-    try:
-        return admitting.pending_joins()
-    except (RuntimeError, OSError) as error:
-        logger.warning("cannot read the live job's store (%s); no process can join until it answers", error)
-        return 0
+    return _rank0_count(admitting.pending_joins, "no process can join")
 
 
 def drains_seen() -> int:
-    """On rank 0 of a live job: how many drain requests wait (:mod:`adaptive.runtime.draining`; 0 elsewhere)."""
-    record = membership.membership()
-    if record.store is None or env.rank() != 0:
+    """On rank 0 of a live job: how many drain requests wait (:mod:`adaptive.runtime.draining`; 0 elsewhere;
+    one store read)."""
+    return _rank0_count(lambda: draining.pending_drains(_job_store()), "no node can be drained")
+
+
+def _rank0_count(read: Callable[[], int], until_then: str) -> int:
+    """A count of requests on the live job's store, read by rank 0 for the agreement (0 elsewhere, and when the
+    store cannot be read: training goes on)."""
+    if not membership.is_live() or env.rank() != 0:
         return 0
     try:
-        return draining.pending_drains(record.store)
+        return read()
     except (RuntimeError, OSError) as error:
-        logger.warning("cannot read the live job's store (%s); no node can be drained until it answers", error)
+        logger.warning("cannot read the live job's store (%s); %s until it answers", error, until_then)
         return 0
 
 
-def _drained(drains: int) -> bool:
-    """Whether this member's node was asked to drain (read only when the agreement says a drain waits)."""
+def _job_store() -> torch.distributed.Store:
     store = membership.membership().store
-    if not drains or store is None:
-        return False
-    if draining.is_drained(store, env.live_node()):
+    assert store is not None, "a member of a live job has its store"
+    return store
+
+
+def _leave_if_drained(drains: int) -> None:
+    """Leave at this change if this member's node was asked to drain (read only when a drain was agreed)."""
+    if drains and draining.is_drained(_job_store(), env.live_node()):
         request_leave()
         logger.warning("node %d was asked to drain: leaving the live job at this step; the other members continue",
                        env.live_node())
-    return leave_requested()
 
 
 def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
@@ -150,9 +155,10 @@ def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
     """
     started = time.perf_counter()
     states.wait_for_pending_save()
-    record = membership.membership()
-    assert record.wid is not None, "a member of a live generation has a worker id"
-    leaving = collectives.allgather_object((record.wid, _drained(drains) or leave_requested()))
+    wid = membership.membership().wid
+    assert wid is not None, "a member of a live generation has a worker id"
+    _leave_if_drained(drains)
+    leaving = collectives.allgather_object((wid, leave_requested()))
     survivors = [wid for wid, leaves in leaving if not leaves]
     if not survivors:
         return Outcome.STOP
@@ -160,8 +166,7 @@ def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
         state.sync()
     following = None
     if env.rank() == 0:
-        assert record.store is not None
-        draining.mark_served(record.store, drains)
+        draining.mark_served(_job_store(), drains)
         following = admitting.close_generation(survivors, joins)
         if following.joiners and not admitting.await_arrivals(following):
             following = admitting.abandon_admission(following)

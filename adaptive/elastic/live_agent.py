@@ -138,10 +138,10 @@ class WorkerSlot:
 def _endpoint(args: Namespace) -> tuple[str, int]:
     if args.standalone or not args.rdzv_endpoint:
         return "127.0.0.1", portpicker.pick_unused_port()
-    host, _, port = args.rdzv_endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"adaptive-run --live: --rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
-    return host, int(port)
+    try:
+        return env.parse_endpoint("--rdzv-endpoint", args.rdzv_endpoint)
+    except ValueError as error:
+        raise SystemExit(f"adaptive-run --live: {error}") from None
 
 
 def _size_bounds(args: Namespace, per_node: int) -> tuple[int, int]:

@@ -102,7 +102,8 @@ def _bindable_address(host: str) -> tuple[socket.AddressFamily, str] | None:
 
 
 def _listen(host: str, port: int) -> socket.socket | None:
-    """A socket listening on ``host``'s address and ``port``; None when another process holds the port."""
+    """A socket listening on ``host``'s address and ``port``; None when ``host`` is not an address of this
+    machine, or another process holds the port."""
     found = _bindable_address(host)
     if found is None:
         return None
@@ -126,7 +127,7 @@ def host_or_connect(host: str, port: int) -> HostedStore:
     own free port is not the endpoint)."""
     import torch.distributed as dist
 
-    listener = _listen(host, port) if is_this_machine(host) else None
+    listener = _listen(host, port)  # None when the endpoint is not this machine's, or another launcher hosts
     if listener is not None:
         store = dist.TCPStore(host, port, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False,
                               master_listen_fd=listener.fileno())

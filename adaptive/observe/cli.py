@@ -101,17 +101,18 @@ def _drain(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from adaptive.runtime import draining, membership
+    from adaptive.runtime import draining, env, membership
 
-    host, _, port = args.endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        print(f"adaptive drain: --endpoint must be HOST:PORT, got {args.endpoint!r}", file=sys.stderr)
+    try:
+        host, port = env.parse_endpoint("--endpoint", args.endpoint)
+    except ValueError as error:
+        print(f"adaptive drain: {error}", file=sys.stderr)
         return 2
     if args.node < 1:
         print(f"adaptive drain: --node must be a node number >= 1, got {args.node}", file=sys.stderr)
         return 2
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=args.timeout))
         draining.request_drain(membership.job_store(store, args.job_id), args.node)
     except (RuntimeError, OSError) as error:

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from adaptive.runtime.live_protocol import DRAINS_ASKED_KEY, DRAINS_SERVED_KEY, drain_key
+from adaptive.runtime.live_protocol import DRAINS_PENDING_KEY, drain_key
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -36,16 +36,16 @@ def request_drain(store: torch.distributed.Store, node: int) -> None:
     """Ask the members of node ``node`` to leave at the job's next agreement (``store``: the job's keys)."""
     if isinstance(node, bool) or not isinstance(node, int) or node < 1:
         raise ValueError(f"node must be a launcher's node number >= 1, got {node!r}")
-    if store.check([drain_key(node)]):
+    asked = repr(time.time())
+    if store.compare_set(drain_key(node), "", asked).decode() != asked:  # one request per node, however often asked
         logger.info("node %d was already asked to drain", node)
         return
-    store.set(drain_key(node), repr(time.time()))
-    store.add(DRAINS_ASKED_KEY, 1)
+    store.add(DRAINS_PENDING_KEY, 1)
 
 
 def pending_drains(store: torch.distributed.Store) -> int:
-    """How many drain requests the members have not served yet (two store reads, on rank 0)."""
-    return int(store.add(DRAINS_ASKED_KEY, 0)) - int(store.add(DRAINS_SERVED_KEY, 0))
+    """How many drain requests the members have not served yet (one store read, on rank 0 at each agreement)."""
+    return int(store.add(DRAINS_PENDING_KEY, 0))
 
 
 def is_drained(store: torch.distributed.Store, node: int) -> bool:
@@ -56,4 +56,4 @@ def is_drained(store: torch.distributed.Store, node: int) -> bool:
 def mark_served(store: torch.distributed.Store, count: int) -> None:
     """On rank 0, at the change that let the drained members go: ``count`` requests are served."""
     if count > 0:
-        store.add(DRAINS_SERVED_KEY, count)
+        store.add(DRAINS_PENDING_KEY, -count)

@@ -85,6 +85,7 @@ __all__ = [
     "supervisor",
     "stop_status_dir",
     "parent_pid",
+    "parse_endpoint",
 ]
 
 #: Seconds between periodic checkpoints when ``ADAPTIVE_CHECKPOINT_INTERVAL`` is unset.
@@ -298,9 +299,14 @@ def live_store() -> tuple[str, int] | None:
     raw = os.environ.get(LIVE_STORE_VAR) or ""
     if not raw:
         return None
-    host, _, port = raw.rpartition(":")
+    return parse_endpoint(f"environment variable {LIVE_STORE_VAR}", raw)
+
+
+def parse_endpoint(name: str, value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an endpoint given as ``name``) as ``(host, port)``; a ``ValueError`` naming ``name``."""
+    host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"environment variable {LIVE_STORE_VAR}={raw!r} must be host:port")
+        raise ValueError(f"{name} must be HOST:PORT, got {value!r}")
     return host, int(port)
 
 

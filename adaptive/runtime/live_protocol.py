@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 __all__ = ["Member", "Generation", "GenerationState", "GenerationKeys", "CURRENT_KEY", "WORKERS_KEY", "AGENTS_KEY",
-           "DRAINS_ASKED_KEY", "DRAINS_SERVED_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
+           "DRAINS_PENDING_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
            "beat_key", "drain_key", "HUNG"]
 
 
@@ -120,9 +120,8 @@ def dead_key(wid: int) -> str:
     return f"dead/{wid}"
 
 
-#: The counters of drain requests posted to the job and served by its members (:mod:`.draining`).
-DRAINS_ASKED_KEY = "drains/asked"
-DRAINS_SERVED_KEY = "drains/served"
+#: The count of drain requests posted to the job and not served yet by its members (:mod:`.draining`).
+DRAINS_PENDING_KEY = "drains/pending"
 
 
 def drain_key(node: int) -> str:
