@@ -13,11 +13,14 @@ Adam; ``--quick``: 0.5M) on one live node, then:
    rescale's cost: the gap in the survivor's steps;
 2. **leave**: SIGTERM to the second node; the survivor's pause;
 3. **lost worker**: SIGKILL of the second node's worker; the survivor's
-   pause (it discards the step in flight, re-forms alone and goes back to
-   its last in-memory snapshot; the steps since the snapshot are trained
-   again, which the pause does not count; the steps from the restart's join
-   on, whose own pause is a join's, neither) and the time until the killed
-   worker's restart trains with it again;
+   pause (it re-forms alone and goes back to the last committed step; the
+   steps from the restart's join on, whose own pause is a join's, are not
+   counted), the committed steps it trained again (goal: none) and the
+   steps in flight it discarded (at most one), and the time until the killed
+   worker's restart trains with it again; the bytes each member keeps for a
+   lost peer (its live copies, ``State.live_copy``) against a copy of every
+   state (what the in-memory snapshots of earlier versions held, every 2 s),
+   as pickled bytes;
 4. **steady state**: the median step time with two members against plain
    DDP with a plain DataLoader on ``torchrun`` (2 processes, gloo), and
    against the same script under plain ``torchrun`` without ``--live`` (so
@@ -53,7 +56,17 @@ Live workers are forks of their node's pre-warmed process, as by default;
 ``--cold-start`` runs them as new interpreters, for comparison.
 
     python benchmarks/bench_live.py [--quick] [--trials N] [--json PATH] [--no-torchft] [--cold-start]
-                                    [--loader-workers N]
+                                    [--loader-workers N] [--shard-size N] [--commit-cost]
+
+``--commit-cost`` measures only what the step commit (a vote on the store
+before every optimizer step, small copies after it) costs per step: live
+jobs of two nodes with ``ADAPTIVE_LIVE_RECOVERY=memory`` against the same
+with ``restart``, in pairs whose order alternates (goal: at most 1.02x).
+
+``--shard-size N`` compares a join and a leave of the model under
+``AdaptiveFSDP`` on ``sharding_mesh(N)`` with the same changes under
+``AdaptiveDataParallel``, trials alternating (goal: the sharded pauses
+within 2x of DDP's).
 
 Prints a table; writes JSON (default ``benchmarks/results/bench_live.json``).
 """
@@ -135,12 +148,14 @@ def _pause(times: list[float], at: float) -> tuple[float, float]:
     return longest - median, longest
 
 
-def live_trial(width: int, cold_start: bool = False) -> dict:
+def live_trial(width: int, cold_start: bool = False, shard_size: int = 0) -> dict:
+    """One live trial (module docstring); ``shard_size``: the model under ``AdaptiveFSDP`` on
+    ``sharding_mesh(shard_size)``, a join and a leave only (a lost member of a 1-D FSDP job restarts everyone)."""
     import portpicker
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        env = _environment(out, width)
+        env = _environment(out, width, **({"BENCH_SHARD_SIZE": str(shard_size)} if shard_size else {}))
         port = portpicker.pick_unused_port()
         cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--live", "--nnodes", "1:2", "--nproc-per-node",
                "1", "--max-restarts", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -173,6 +188,10 @@ def live_trial(width: int, cold_start: bool = False) -> dict:
             mine = _steps(out)[survivor]
             after_leave = next(s["time"] for s in mine if s["time"] > left_at and s["world"] == 1)
             leave_pause, _ = _pause([s["time"] for s in mine], after_leave)
+            if shard_size:
+                return {"survivor pause at a join": join_pause, "survivor pause at a leave": leave_pause,
+                        "planned rescale (change to first step at 2)": change - last_alone,
+                        "step time, 2 live members": statistics.median(two)}
             # a lost worker: a third node joins, its worker is killed
             second = _start(cmd, env, out / "third.log")
             _wait(lambda: len([s for s in _steps(out)[survivor] if s["time"] > after_leave and s["world"] == 2])
@@ -190,6 +209,10 @@ def live_trial(width: int, cold_start: bool = False) -> dict:
             alone = next((s["time"] for s in mine if s["time"] > killed and s["world"] == 1), None)
             rejoined = next((s["time"] for s in mine if alone and s["time"] > alone and s["world"] == 2), math.inf)
             loss_pause, _ = _pause([s["time"] for s in mine if s["time"] < rejoined], after_kill)
+            trained = [s["step"] for s in mine if s["time"] <= killed and not s["discarded"]]
+            again = [s for s in mine if s["time"] > killed and not s["discarded"] and s["step"] <= max(trained)]
+            discarded = [s for s in mine if s["time"] > killed - 1.0 and s["discarded"]]
+            memory = json.loads((out / f"memory.{survivor}.json").read_text())
             return {"survivor pause at a join": join_pause,
                     "joiner first step from import torch": joiner_first,
                     "joiner first step from its launcher's start": joiner_launched,
@@ -197,6 +220,10 @@ def live_trial(width: int, cold_start: bool = False) -> dict:
                     "planned rescale (change to first step at 2)": change - last_alone,
                     "survivor pause at a leave": leave_pause,
                     "survivor pause at a lost worker": loss_pause,
+                    "lost worker: committed steps trained again": len(again),
+                    "lost worker: steps in flight discarded": len(discarded),
+                    "bytes kept per member: a copy of every state": memory["whole state copy"],
+                    "bytes kept per member: live copies": memory["live copies"],
                     "lost worker: kill to its restart's first step": back - killed,
                     "step time, 2 live members": statistics.median(two),
                     "mean step time, 2 live members": statistics.mean(two),
@@ -209,6 +236,90 @@ def live_trial(width: int, cold_start: bool = False) -> dict:
                 if proc is not None:
                     kill_process_tree(proc.pid)
                     proc.wait()
+
+
+def commit_cost_trial(width: int, recovery: str, steps: int = 300) -> float:
+    """The median step time of a live job of two single-worker nodes formed together, with
+    ``ADAPTIVE_LIVE_RECOVERY=recovery``: ``memory`` votes on the store before every optimizer step and keeps
+    the live copies, ``restart`` does neither; everything else is the same."""
+    import portpicker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        env = _environment(out, width, ADAPTIVE_LIVE_RECOVERY=recovery,
+                           BENCH_STEPS=str(steps))
+        port = portpicker.pick_unused_port()
+        cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--live", "--nnodes", "2", "--nproc-per-node",
+               "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER)]
+        nodes = [_start(cmd, env, out / f"node{i}.log") for i in range(2)]
+        try:
+            for node in nodes:
+                node.wait(timeout=300)
+        finally:
+            for node in nodes:
+                kill_process_tree(node.pid)
+                node.wait()
+        times = [s["time"] for s in min(_steps(out).values(), key=len)]
+        return statistics.median([b - a for a, b in zip(times, times[1:])][40:])
+
+
+def vote_round_trip(rounds: int = 2000) -> float:
+    """Seconds per vote of two members on a store on 127.0.0.1, by the calls ``step_commit`` makes (one ``add``;
+    then the last voter ``delete_key`` and ``compare_set``, the other ``wait`` and ``get``), each member a thread
+    with its own connection: the vote's own cost, which the end-to-end pairs cannot resolve on a noisy machine."""
+    import datetime
+    import threading
+
+    import portpicker
+    import torch.distributed as dist
+
+    port = portpicker.pick_unused_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False) for _ in range(2)]
+    started = threading.Barrier(2)
+
+    def member(store: dist.TCPStore) -> None:
+        started.wait()
+        for vote in range(1, rounds + 1):
+            slot = f"decision/{vote % 2}"
+            if store.add("votes", 1) == 2 * vote:
+                store.delete_key(f"decision/{(vote + 1) % 2}")
+                store.compare_set(slot, "", f"{vote}:commit")
+            else:
+                store.wait([slot], datetime.timedelta(seconds=5))
+                store.get(slot)
+
+    threads = [threading.Thread(target=member, args=(client,)) for client in clients]
+    begun = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - begun
+    del server
+    return elapsed / rounds
+
+
+def _run_commit_cost(args: argparse.Namespace) -> None:
+    """``--commit-cost``: what the step commit costs a live job per step, ``memory`` against ``restart``
+    recovery, in pairs of runs whose order alternates (machine noise hits both alike)."""
+    width = 512 if args.quick else 1024
+    pairs = []
+    for trial in range(1 if args.quick else args.trials):
+        order = ("memory", "restart") if trial % 2 == 0 else ("restart", "memory")
+        pair = {recovery: commit_cost_trial(width, recovery) for recovery in order}
+        pairs.append(pair)
+    ratios = [pair["memory"] / pair["restart"] for pair in pairs]
+    vote = vote_round_trip()
+    print(f"step commit cost, live job of 2 single-worker nodes, gloo, MLP {width}: median step time with the "
+          f"commit (ADAPTIVE_LIVE_RECOVERY=memory) / without (restart), {len(pairs)} alternating pairs")
+    for pair, ratio in zip(pairs, ratios):
+        print(f"  memory {1e3 * pair['memory']:.1f} ms, restart {1e3 * pair['restart']:.1f} ms: {ratio:.3f}")
+    print(f"median ratio {statistics.median(ratios):.3f} (goal <= 1.02)")
+    print(f"a vote of two members alone (the store calls of step_commit, 2 threads): {1e3 * vote:.3f} ms")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"pairs": pairs, "ratios": ratios, "vote_s": vote,
+                                           "median ratio": statistics.median(ratios)}, indent=2))
 
 
 def torchrun_trial(width: int, plain: bool) -> dict:
@@ -353,10 +464,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one trial, a smaller model")
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--json", default=str(HERE / "results" / "bench_live.json"))
+    parser.add_argument("--json", default=None,
+                        help="default: results/bench_live.json (results/bench_live_shard.json with --shard-size)")
     parser.add_argument("--no-torchft", action="store_true", help="skip the TorchFT column even if it is installed")
     parser.add_argument("--cold-start", action="store_true",
                         help="live workers start as new interpreters, not forked from the pre-warmed process")
+    parser.add_argument("--commit-cost", action="store_true",
+                        help="only the step commit's cost per step: live jobs with and without it, in pairs")
+    parser.add_argument("--shard-size", type=int, default=0, metavar="N",
+                        help="live trials only: the model under AdaptiveFSDP on sharding_mesh(N); a join and a leave")
     parser.add_argument("--loader-workers", type=int, default=0, metavar="N",
                         help="persistent DataLoader worker processes in every job measured (as pytorch/examples' "
                              "mnist has one); default 0")
@@ -381,7 +497,49 @@ def _cache_bytecode(folder: Path) -> None:
                     str(TORCHFT_WORKER)], env=os.environ, check=True, stdout=subprocess.DEVNULL, timeout=600)
 
 
+#: With ``--shard-size``: the figures compared between the DDP and the sharded job (goal: within 2x of DDP).
+SHARDED_ROWS = ("survivor pause at a join", "survivor pause at a leave", "planned rescale (change to first step at 2)",
+                "step time, 2 live members")
+
+
+def _run_sharded(args: argparse.Namespace) -> None:
+    """``--shard-size N``: a join and a leave of the model under ``AdaptiveFSDP`` against the same changes under
+    ``AdaptiveDataParallel``, trials alternating, in one run."""
+    trials = 1 if args.quick else args.trials
+    width = 512 if args.quick else 1024
+    runs = {"ddp": [], "sharded": []}
+    for _ in range(trials):
+        runs["ddp"].append(live_trial(width, args.cold_start))
+        runs["sharded"].append(live_trial(width, args.cold_start, args.shard_size))
+    good = {kind: [run for run in trials_of if "failed" not in run] for kind, trials_of in runs.items()}
+    median = {kind: {key: statistics.median(run[key] for run in good[kind]) for key in SHARDED_ROWS}
+              for kind in runs if good[kind]}
+    print(f"live join and leave, 2 processes, gloo, AdaptiveDataParallel against AdaptiveFSDP on "
+          f"sharding_mesh({args.shard_size}); median of {len(good['ddp'])} and {len(good['sharded'])} of {trials} "
+          f"trials (seconds)")
+    print(f"{'measure':<48}{'DDP':>10}{'FSDP':>10}{'ratio':>8}")
+    for key in SHARDED_ROWS:
+        ddp, sharded = (median.get(kind, {}).get(key, math.nan) for kind in ("ddp", "sharded"))
+        print(f"{key:<48}{ddp:>10.3f}{sharded:>10.3f}{sharded / ddp if ddp else math.nan:>8.2f}")
+    for kind, trials_of in runs.items():
+        for run in trials_of:
+            if "failed" in run:
+                print(f"failed {kind} trial: {run['failed']}\n{run.get('log', '')}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"trials": runs, "median": median, "shard size": args.shard_size},
+                                          indent=2))
+
+
 def _run(args: argparse.Namespace) -> None:
+    if args.json is None:
+        name = "bench_live_commit" if args.commit_cost else "bench_live_shard" if args.shard_size else "bench_live"
+        args.json = str(HERE / "results" / f"{name}.json")
+    if args.commit_cost:
+        _run_commit_cost(args)
+        return
+    if args.shard_size:
+        _run_sharded(args)
+        return
     trials = 1 if args.quick else args.trials
     width = 512 if args.quick else 1024
     missing = "not run" if args.no_torchft else torchft_status()

@@ -7,18 +7,20 @@ train, one worker of the second node is SIGKILLed, and measured are:
 
 * **in memory** (the default): the survivors' pause (from their last step
   before the kill to their first one after it, less the median step; the
-  steps since the last snapshot, trained again, are not counted), the kill
+  step in flight, trained again, is not counted), the kill
   to the first step of the three that are left (they re-form, join a whole
-  copy from their snapshots of their shards and shard it anew on ``(1, 3)``)
+  copy from their shards and shard it anew on ``(1, 3)``)
   and the kill to the first step with the killed worker's restart (four
   again: it joins and takes the state from its peers);
 * **restart path**, the baseline, the same job with
-  ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL=0`` (no snapshots, so the loss ends every
-  member and the agents start them again from the checkpoint on disk,
-  resharded): the kill to the job's first step again, at four.
+  ``ADAPTIVE_LIVE_RECOVERY=restart`` (no votes before the optimizer steps,
+  and the loss ends every member and the agents start them again from the
+  checkpoint on disk, resharded): the kill to the job's first step again, at
+  four.
 
-Trials alternate the two modes.  Progress lost to the rollback (at most the
-2 s since the last snapshot or checkpoint) is not counted in either.
+Trials alternate the two modes.  The step in flight trained again in memory,
+and the steps since the last checkpoint (2 s) trained again after a restart,
+are not counted in either.
 
     python benchmarks/bench_live_sharded.py [--quick] [--trials N] [--json PATH]
 
@@ -52,7 +54,7 @@ def trial(width: int, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         env = _environment(out, width, BENCH_SHARD_SIZE="2", ADAPTIVE_LIVE_MIN="4",
-                           ADAPTIVE_LIVE_SNAPSHOT_INTERVAL="2" if mode == "in memory" else "0")
+                           ADAPTIVE_LIVE_RECOVERY="memory" if mode == "in memory" else "restart")
         port = portpicker.pick_unused_port()
         cmd = [sys.executable, "-m", "adaptive.elastic.launcher", "--live", "--nnodes", "1:4", "--nproc-per-node",
                "2", "--max-restarts", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKER)]

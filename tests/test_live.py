@@ -93,9 +93,10 @@ def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_lose
     survivor keeps its PID, no one waits for a joiner's start-up, and every sample is trained once per
     epoch."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = {"WORKER_EPOCHS": "4", "WORKER_STEP_SLEEP": "0.08", "WORKER_ORDER": "loaders-first",
+    epochs = 6  # room for a joiner that starts slowly on a loaded machine
+    settings = {"WORKER_EPOCHS": str(epochs), "WORKER_STEP_SLEEP": "0.08", "WORKER_ORDER": "loaders-first",
                 "WORKER_EVAL": "1", "WORKER_AUTOSCALE": "48,4,24,1,5", "WORKER_LOADER_WORKERS": "1",
-                "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5", "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
+                "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
     first = launch(jobs, out, port, "first", restarts=1, **settings)
     records = wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
     survivor = records[0]["pid"]
@@ -113,7 +114,7 @@ def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_lose
     assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
     assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
 
-    check_after_rollbacks(out, epochs=4)
+    check_after_rollbacks(out, epochs=epochs)
     assert {r["pid"] for r in steps(out)} == {survivor, joiner, rejoined}
     assert exits(out) == {survivor: 0, rejoined: 143}, exits(out)
     assert live_pids([survivor, joiner, rejoined] + loader_workers) == []
@@ -122,7 +123,7 @@ def test_a_script_that_builds_its_loaders_before_its_model_joins_leaves_and_lose
     worlds = [r["world"] for r in steps(out) if r["pid"] == survivor and not r["discarded"]]
     assert worlds[0] == 1 and worlds[-1] == 1 and 2 in worlds, worlds
     validation = [json.loads(line) for line in (out / "val.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in validation] == list(range(4)), validation
+    assert [r["epoch"] for r in validation] == list(range(epochs)), validation
     assert all(r["missing"] == 0 and r["extra"] < r["world"] for r in validation), validation
 
 
@@ -144,11 +145,11 @@ def test_two_joiners_at_once_with_autoscale_and_accumulation(jobs, tmp_path):
 
 
 def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jobs, tmp_path):
-    """SIGKILL of one of two workers: the survivor keeps running (same PID), discards the step in flight,
-    goes back to its last in-memory snapshot, and the killed worker's agent starts it again, which joins
+    """SIGKILL of one of two workers: the survivor keeps running (same PID), trains again at most the step in
+    flight (when the killed one had not applied it), and the killed worker's agent starts it again, which joins
     and takes the state from the survivor; every sample is still trained once per epoch."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5",
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08",
                 "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
     first = launch(jobs, out, port, "first", restarts=2, **settings)
     second = launch(jobs, out, port, "second", restarts=2, **settings)
@@ -161,7 +162,8 @@ def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jo
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
 
     check_after_rollbacks(out, epochs=3)
-    assert any(pid == survivor for pid, _, _ in replayed_draws(out)), "the survivor trained no step again"
+    # The step in flight at the loss is the only one trained again (none when every member applied it).
+    assert len([key for key in replayed_draws(out) if key[0] == survivor]) <= 1, replayed_draws(out)
     assert live_pids([victim]) == []
     after = [r for r in steps(out) if r["time"] > killed]
     assert any(r["pid"] == survivor and r["world"] == 1 for r in after), "the survivor did not train alone"

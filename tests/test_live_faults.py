@@ -33,7 +33,7 @@ from live_harness import jobs  # noqa: F401  (the fixture)
 #: The job's name: its keys on the launchers' store are under it.
 JOB = "live-faults"
 #: What every case's workers do: enough epochs for the changes and the restarts to happen while they train.
-SETTINGS = {"WORKER_EPOCHS": "8", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5",
+SETTINGS = {"WORKER_EPOCHS": "8", "WORKER_STEP_SLEEP": "0.08",
             "ADAPTIVE_CHECKPOINT_INTERVAL": "0", "ADAPTIVE_JOB_ID": JOB}
 EPOCHS = int(SETTINGS["WORKER_EPOCHS"])
 
@@ -219,7 +219,7 @@ def test_a_join_and_a_leave_at_one_boundary(jobs, tmp_path):
 def test_a_join_and_a_kill_at_one_boundary(jobs, tmp_path):
     """A node asks to join while the other member is SIGKILLed, both before rank 0 acts on either: rank 0
     (same PID) re-forms alone, the joiner (same process) asks again and is admitted, the killed worker's
-    agent starts it again and it joins as well; the steps since the snapshot are trained again once."""
+    agent starts it again and it joins as well; at most the step in flight is trained again."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     launchers, generation, rank0, rank1 = _two_members(jobs, out, port)
     killed_at = []
@@ -244,7 +244,7 @@ def test_a_join_and_a_kill_at_one_boundary(jobs, tmp_path):
 @pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_a_member_lost_as_a_loop_starts_is_left_behind_without_a_rollback(jobs, tmp_path):
     """Rank 1 dies as epoch 4's loader loop is about to start, so rank 0 loses it at that loop's first
-    boundary, before the loop's first snapshot: nothing of the loop was trained, so rank 0 re-forms
+    boundary, before the loop trained a step: nothing of the loop was trained, so rank 0 re-forms
     alone with the state the last loop ended with (no restart, nothing trained twice), and the killed
     worker's restart joins it."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()

@@ -47,7 +47,7 @@ from live_harness import check_after_rollbacks, exits, launch, logs, steps, wait
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 SETTINGS = {"WORKER_EPOCHS": "30", "WORKER_STEP_SLEEP": "0.05", "WORKER_LOADER_WORKERS": "1",
-            "ADAPTIVE_LIVE_SNAPSHOT_INTERVAL": "0.5", "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
+            "ADAPTIVE_CHECKPOINT_INTERVAL": "0"}
 EPOCHS = int(SETTINGS["WORKER_EPOCHS"])
 #: Changes per sequence, and the most workers the job may have.
 CHANGES, MOST = 5, 4

@@ -1,28 +1,39 @@
 """The live membership protocol on an in-process TCPStore: this process is one member, the test plays the others
-by writing their records where the protocol reads them (adaptive.runtime.live_protocol names every key)."""
+by writing their records where the protocol reads them (adaptive.runtime.live_protocol names every key).
+
+Each case runs twice: without a secret, and with one (``[signed]``: every record is signed and verified, the
+records the test writes through the member's own store included, as another member's would be)."""
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import portpicker
 import pytest
 import torch.distributed as dist
 
-from adaptive.runtime import admitting, env, membership, reforming
+from adaptive.runtime import admitting, env, membership, reforming, signed_records, step_commit
+from adaptive.runtime import step as step_records
 from adaptive.runtime.job import reset_job
 from adaptive.runtime.live_protocol import (CURRENT_KEY, HUNG, Generation, GenerationKeys, GenerationState, Member,
-                                            beat_key, dead_key)
+                                            beat_key, dead_key, job_prefix)
+from adaptive.runtime.step import StepContext
 
 
-@pytest.fixture
-def store(monkeypatch):
+@pytest.fixture(params=["unsigned", "signed"])
+def store(monkeypatch, request):
     """A launchers' store on 127.0.0.1 and this process formed alone into generation 1; yields the job's keys."""
     port = portpicker.pick_unused_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10),
                            wait_for_workers=False)
     monkeypatch.setenv(env.LIVE_STORE_VAR, f"127.0.0.1:{port}")
+    monkeypatch.delenv(env.LIVE_SECRET_FILE_VAR, raising=False)
+    if request.param == "signed":
+        monkeypatch.setenv(env.LIVE_SECRET_VAR, "protocol-unit-secret-0123456789")
+    else:
+        monkeypatch.delenv(env.LIVE_SECRET_VAR, raising=False)
     monkeypatch.setenv("ADAPTIVE_JOB_ID", "protocol-unit")
     monkeypatch.setenv("ADAPTIVE_LIVE_HANG_TIMEOUT", "1")
     reset_job()
@@ -64,7 +75,8 @@ def test_admission_takes_only_joiners_that_still_wait_and_live(store):
         store.set(keys.join_waiting(position), repr(said))
         store.set(keys.join(position), Member(wid, 9, 0).to_json())
     store.set(dead_key(103), "1")  # its launcher reaped it after it asked
-    assert admitting.pending_joins() == 3
+    # A signed job counts the requests that still wait (its counter is a hint); an unsigned one, the counter.
+    assert admitting.pending_joins() == (1 if signed_records.is_signed(store) else 3)
     me = membership.membership().wid
     following = admitting.close_generation([me], joins=3)
     assert [m.wid for m in following.members] == [me, 101] and following.joiners == (101,)
@@ -147,6 +159,7 @@ def test_a_drain_request_waits_until_served_and_names_its_node_once(store, monke
     from adaptive.elastic import live
     from adaptive.runtime import draining
 
+    _with_others(store, Member(201, 2, 0))  # node 2 has a member (a signed job counts only its members' nodes)
     assert draining.pending_drains(store) == 0 and live.drains_seen() == 0
     draining.request_drain(store, 2)
     draining.request_drain(store, 2)  # asked twice: one request
@@ -159,3 +172,97 @@ def test_a_drain_request_waits_until_served_and_names_its_node_once(store, monke
     assert draining.pending_drains(store) == 0
     with pytest.raises(ValueError, match="node must be"):
         draining.request_drain(store, 0)
+
+
+# ---------------------------------------------------------------- the step commit (adaptive.runtime.step_commit)
+OTHER = Member(99, 2, 0)
+
+
+def _in_a_step() -> None:
+    """Make a loader step current, as the loader publishes it (the vote happens inside loader loops only)."""
+    step_records.stream().current = StepContext(
+        loader="0", index=0, micro_step=0, num_micro_steps=1, size=8, planned_size=8, init_batch_size=8,
+        local_batch_size=4, num_replicas=2, loss_weight=1.0, padding=False, lr_scaling="auto")
+    step_records.begin_step()
+
+
+def _other_votes(store, keys: GenerationKeys, vote: int) -> None:
+    """What the other member's step_commit writes when it completed the step (a signed job: its record too)."""
+    if signed_records.is_signed(store):
+        store.set(keys.commit_vote(vote % 2, OTHER.wid), str(vote))
+    store.add(keys.commit_votes, 1)
+
+
+def test_a_step_commits_when_every_member_completed_it_and_the_slots_alternate(store):
+    keys = _with_others(store, OTHER).keys
+    for vote in (1, 2, 3):
+        _in_a_step()
+        assert step_commit.is_voting()
+        _other_votes(store, keys, vote)
+        assert step_commit.agree() is True and step_records.stream().step_committed
+        assert signed_records.read(store, keys.commit_decision(vote % 2)) == f"{vote}:commit"
+        assert not store.check([keys.commit_decision((vote + 1) % 2)])  # the vote before's decision is gone
+    assert step_commit.commits(2) == 3 and not step_records.faulted()
+
+
+def test_a_member_that_lost_a_peer_aborts_the_step_for_everyone_and_says_so(store):
+    keys = _with_others(store, OTHER).keys
+    _in_a_step()
+    step_records.record_fault(RuntimeError("Connection closed by peer"))
+    assert step_commit.agree() is False and step_records.stream().step_aborted
+    assert signed_records.read(store, keys.commit_decision(1)) == "1:abort"
+    assert store.check([keys.lost])  # a member still in a collective of the step gives up on it too
+    assert step_commit.commits(2) == 0
+
+
+def test_a_vote_that_never_comes_from_a_dead_member_aborts_the_step(store, caplog):
+    keys = _with_others(store, OTHER).keys
+    _in_a_step()
+    store.set(dead_key(OTHER.wid), "1")  # its launcher reaped it before it voted
+    assert step_commit.agree() is False and signed_records.read(store, keys.commit_decision(1)) == "1:abort"
+    assert isinstance(step_records.stream().fault, step_commit.StepNotCommitted)
+    # Aborted for the reported death, not at the bound on a decision that never comes.
+    assert "no decision on step" not in caplog.text and "died (reported by their launcher)" in caplog.text
+
+
+def test_the_decision_that_stands_is_the_first_one_written(store):
+    keys = _with_others(store, OTHER).keys
+    _in_a_step()
+    store.compare_set(keys.commit_decision(1), "", "1:abort")  # the other member saw a fault first
+    assert step_commit.agree() is False  # this member completed the step, and still does not apply it
+
+
+def test_a_forged_increment_of_the_votes_commits_nothing_in_a_signed_job(store):
+    if not signed_records.is_signed(store):
+        pytest.skip("without a secret the counter is the vote (no one but the job reaches the store)")
+    keys = _with_others(store, OTHER).keys
+    _in_a_step()
+    foreign = dist.TCPStore("127.0.0.1", env.live_store()[1], is_master=False, wait_for_workers=False)
+    dist.PrefixStore(job_prefix(env.job_id()), foreign).add(keys.commit_votes, 1)  # as if the other had voted
+    answer: list[bool] = []
+    voter = threading.Thread(target=lambda: answer.append(step_commit.agree()))
+    voter.start()
+    time.sleep(0.6)
+    assert not answer and not store.check([keys.commit_decision(1)]), "a forged count committed the step"
+    store.set(dead_key(OTHER.wid), "1")  # the other never votes: it is lost, and the step aborts
+    voter.join(10)
+    assert answer == [False]
+
+
+def test_the_peer_failure_hook_is_installed_once_even_when_torch_wraps_it(monkeypatch):
+    """``init_process_group`` (every live regroup) wraps the excepthook it finds; installing ours again then
+    would chain it to a hook that calls it: a recursion instead of the real error's report."""
+    import sys
+
+    from adaptive.runtime import peer_failure
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, error, trace: seen.append(error))
+    monkeypatch.setattr(peer_failure, "_installed", {})
+    peer_failure.install()
+    ours = sys.excepthook
+    monkeypatch.setattr(sys, "excepthook", lambda *args: ours(*args))  # as torch wraps it
+    peer_failure.install()
+    error = ValueError("the script's own error")
+    sys.excepthook(ValueError, error, None)
+    assert seen == [error]

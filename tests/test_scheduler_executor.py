@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -13,7 +14,7 @@ from scheduler.cluster import ClusterSpec, make_allocation
 from scheduler.executor import (Assignment, Backend, Executor, JobSpec, JobState, LocalBackend, Spool,
                                 load_job_spec)
 from scheduler.executor.__main__ import main as executor_main
-from scheduler.executor.backend import LOST_NODE_EXIT
+from scheduler.executor.backend import CONFIG_ERROR_EXIT, LOST_NODE_EXIT, STORE_LOST_EXIT, live_job_status
 from scheduler.policies import TiresiasPolicy
 from scheduler.policies.base import Policy
 from policy_cases import ScriptedPolicy
@@ -326,6 +327,75 @@ def test_infrastructure_failures_are_not_charged_to_max_failures(tmp_path):
     ex.jobs["a"].handle.code = 1  # a crash of its own: max_failures=0, so it fails now
     ex.step()
     assert ex.jobs["a"].state is JobState.FAILED and ex.status()[0]["failures"] == 1
+
+
+def test_a_lost_store_is_relaunched_at_once_up_to_max_relaunches_and_a_usage_error_not_at_all(tmp_path):
+    """Exit 75 (a live job's store lost with its host): relaunched in the same step, uncharged, at most
+    max_relaunches times; exit 2 (a usage or configuration error): failed at once, never relaunched."""
+    backend = FakeBackend()
+    ex, _ = make_executor(backend, slots=2)
+    ex.submit(spec("a", tmp_path, max_replicas=1, max_failures=3, max_relaunches=2))
+    ex.step()
+    for lost in (1, 2):
+        handle_of(ex, "a").exit_code = STORE_LOST_EXIT
+        ex.step()
+        assert ex.jobs["a"].state is JobState.RUNNING, ex.status()  # no back-off
+        assert (ex.jobs["a"].failures, ex.jobs["a"].infra_failures) == (0, lost)
+    handle_of(ex, "a").exit_code = STORE_LOST_EXIT
+    ex.step()
+    assert ex.jobs["a"].state is JobState.FAILED and ex.jobs["a"].infra_failures == 3
+    assert [launch[0] for launch in backend.launched] == ["a"] * 3
+    ex.submit(spec("b", tmp_path, max_replicas=1, max_failures=3))
+    ex.step()
+    handle_of(ex, "b").exit_code = CONFIG_ERROR_EXIT
+    ex.step()
+    assert ex.jobs["b"].state is JobState.FAILED and ex.jobs["b"].failures == 1, ex.status()
+    assert [launch[0] for launch in backend.launched].count("b") == 1
+    assert spec("c", tmp_path).max_relaunches == 20 and "max_relaunches" in spec("c", tmp_path).to_dict()
+    with pytest.raises(ValueError, match="max_relaunches"):
+        spec("d", tmp_path, max_relaunches=-1)
+
+
+@pytest.mark.parametrize(("host", "others", "status"), [
+    (137, [75], 75), (137, [143, 75], 75), (1, [75], 75),  # the store went with a failed host: relaunch
+    (137, [], 137), (137, [143], 137),  # no launcher said the store was lost
+    (0, [75], 0), (143, [75], 143), (2, [75], 2), (3, [75], 3), (75, [], 75)])  # the host's status stands
+def test_a_live_jobs_status_is_75_once_its_store_went_with_its_failed_host(host, others, status):
+    assert live_job_status(host, others) == status
+
+
+class FakeLauncher:
+    """A live launcher for :class:`LiveLocalBackend`'s poll: its exit status is set by the test."""
+
+    def __init__(self, returncode=None):
+        self.returncode, self.pid = returncode, None
+
+    def poll(self):
+        return self.returncode
+
+
+def test_the_local_live_backend_reads_75_once_the_store_hosts_loss_ended_the_others(tmp_path, monkeypatch):
+    """The host's launcher SIGKILLed (-9): the job waits for the others, which end with 75: the job's status is
+    75; another that still runs after local_live.STORE_LOSS_WAIT is killed."""
+    from scheduler.executor import local_live
+
+    backend = local_live.LiveLocalBackend(str(tmp_path / "logs"))
+    host, other = FakeLauncher(-9), FakeLauncher()
+    handle = local_live.LiveLocalHandle(spec("a", tmp_path), port=1, attempt=1, launchers=[host, other])
+    assert backend.poll(handle) is None and handle.host_failed_at is not None
+    other.returncode = 75
+    assert backend.poll(handle) == 75
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        handle = local_live.LiveLocalHandle(spec("b", tmp_path), port=1, attempt=1,
+                                            launchers=[FakeLauncher(-9), lingering])
+        assert backend.poll(handle) is None
+        monkeypatch.setattr(local_live, "STORE_LOSS_WAIT", 0.0)
+        assert backend.poll(handle) == 137  # it was killed: no launcher said the store was lost
+        assert lingering.wait(timeout=10) == -9
+    finally:
+        lingering.kill()
+        lingering.wait(timeout=10)
 
 
 class TailBackend(FakeBackend):

@@ -162,6 +162,52 @@ def placement_state(pg):
     return ray.util.placement_group_table(pg)["state"]
 
 
+class FakeReplicas:
+    """Stands in for the RayBackend that runs each replica of a live job: exit statuses and time set by the test."""
+
+    def __init__(self):
+        self.codes, self.killed, self.now = {}, [], 0.0
+
+    def clock(self):
+        return self.now
+
+    def poll(self, incarnation):
+        return self.codes.get(incarnation)
+
+    def kill(self, incarnation):
+        self.killed.append(incarnation)
+
+
+def test_a_live_job_on_ray_whose_store_host_failed_reads_75_once_a_joiner_said_so(tmp_path):
+    """The decision alone (no cluster): the host's launcher killed (137), the joiners end with 75 within seconds:
+    the job ends with 75 (relaunch, an infrastructure failure); 137 when none did within STORE_LOSS_WAIT; a host's
+    2 (configuration error) stands at once."""
+    from scheduler.executor import ray_live
+    from scheduler.executor.ray_live import LiveRayBackend, LiveRayHandle, Replica
+
+    backend = LiveRayBackend(str(tmp_path / "logs"), pool=object())
+    fake = backend.ray_backend = FakeReplicas()
+    spec = JobSpec(name="live", command=("train.py",), checkpoint_dir=str(tmp_path / "ckpt"), max_replicas=3)
+
+    def job():
+        replicas = [Replica(0, 0, "host"), Replica(1, 1, "joiner-1"), Replica(1, 2, "joiner-2")]
+        return LiveRayHandle(spec, 1, replicas=replicas, started=3, serving=True)
+
+    handle = job()
+    fake.codes["host"] = 137
+    assert backend.poll(handle) is None  # the joiners have not noticed yet
+    fake.now, fake.codes["joiner-2"] = 4.0, LOST_NODE_EXIT
+    assert backend.poll(handle) == LOST_NODE_EXIT and handle.ended_by.number == 2
+    assert sorted(fake.killed) == ["host", "joiner-1", "joiner-2"]
+    fake.codes, fake.now = {"host": 137}, 10.0
+    handle = job()
+    assert backend.poll(handle) is None
+    fake.now += ray_live.STORE_LOSS_WAIT + 1
+    assert backend.poll(handle) == 137 and handle.ended_by.number == 0
+    fake.codes = {"host": 2}
+    assert backend.poll(job()) == 2
+
+
 def test_cluster_driver_and_rendezvous_stay_on_loopback(cluster, tmp_path):
     assert cluster.address.startswith(f"{LOOPBACK}:")
     nodes = ray.nodes()
@@ -291,8 +337,9 @@ def test_early_failure_is_reported_once_with_the_end_of_its_output(cluster, tmp_
     finally:
         ex.shutdown(timeout=10)
     (status,) = ex.status()
-    assert status["state"] == "failed" and status["failures"] == 2 and status["infra_failures"] == 0, status
-    assert status["last_exit"] == 2
+    # exit 2 (a usage error) is not relaunched, although max_failures=1 would allow one more launch
+    assert status["state"] == "failed" and status["failures"] == 1 and status["infra_failures"] == 0, status
+    assert status["last_exit"] == 2 and status["launches"] == 1
     assert "No module named 'tain'" in status["last_error"] and "--- node" in status["last_error"], status
 
 

@@ -23,10 +23,10 @@ def test_every_field_declares_how_it_combines_and_the_vector_is_as_wide_as_they_
 
 
 def test_any_takes_the_largest_smallest_the_smallest_and_same_reports_a_spread() -> None:
-    rank0 = StepFlags(joins=2, drains=1, spacing=7, resumed_seq=4, folder_generation=3, snapshot=True)
+    rank0 = StepFlags(joins=2, drains=1, spacing=7, resumed_seq=4, folder_generation=3)
     rank1 = StepFlags(stop=True, leave=True, spacing=3, resumed_seq=4)
     agreed = _agree(rank0, rank1)
-    assert (agreed.stop, agreed.leave, agreed.snapshot, agreed.checkpoint_due) == (True, True, True, False)
+    assert (agreed.stop, agreed.leave, agreed.checkpoint_due) == (True, True, False)
     assert (agreed.joins, agreed.drains, agreed.folder_generation, agreed.spacing) == (2, 1, 3, 3)
     assert agreed.resumed_seq == 4 and agreed.mismatches == {}
     assert isinstance(agreed.stop, bool) and isinstance(agreed.joins, int)
@@ -36,7 +36,7 @@ def test_any_takes_the_largest_smallest_the_smallest_and_same_reports_a_spread()
 
 def test_a_round_trip_of_one_replica_is_itself_and_a_wrong_width_is_refused() -> None:
     flags = StepFlags(stop=True, checkpoint_due=True, spacing=12, resumed_seq=9, folder_generation=2,
-                      newer_folder_generation=3, joins=1, leave=True, drains=2, snapshot=True)
+                      newer_folder_generation=3, joins=1, leave=True, drains=2)
     assert StepFlags.decode(flags.encode()) == flags
     with pytest.raises(ValueError, match="expected"):
         StepFlags.decode([0.0])

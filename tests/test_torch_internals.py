@@ -116,7 +116,8 @@ def test_every_registered_name_names_an_entry_point_of_the_adapter():
     for entry in PRIVATE_NAMES:
         assert hasattr(torch_internals, entry.entry_point), entry
         assert entry.entry_point in torch_internals.__all__, entry
-    overridden = set(torch_internals.DDP_OVERRIDDEN_METHODS) | set(torch_internals.PROCESS_GROUP_OVERRIDDEN_METHODS)
+    overridden = (set(torch_internals.DDP_OVERRIDDEN_METHODS) | set(torch_internals.PROCESS_GROUP_OVERRIDDEN_METHODS)
+                  | set(torch_internals.ELASTIC_AGENT_OVERRIDDEN_METHODS))
     assert overridden <= {entry.name for entry in PRIVATE_NAMES}
 
 
@@ -297,6 +298,31 @@ def test_the_dcp_entry_points():
     assert set(found) == {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                           ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
                           ("torch.serialization", "_get_layout")}
+
+
+def test_the_elastic_agent_entry_point_ends_the_agent_at_the_exit_code(monkeypatch):
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    monkeypatch.setattr(api, "LocalElasticAgent", api.LocalElasticAgent)  # restored after the test
+    calls: list[object] = []
+    torch_internals.end_elastic_agent_on_exit_code(
+        2, lambda ranks: calls.append(ranks) or ValueError(ranks), lambda: calls.append("before"))
+    agent_class = api.LocalElasticAgent
+    assert issubclass(agent_class, LocalElasticAgent) and agent_class is not LocalElasticAgent
+    for name in torch_internals.ELASTIC_AGENT_OVERRIDDEN_METHODS:
+        assert name in vars(agent_class)
+    agent = agent_class.__new__(agent_class)  # the override only reads the base class's result
+    result = RunResult(state=WorkerState.FAILED, failures={3: SimpleNamespace(exitcode=1)})
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: result)
+    assert agent._monitor_workers(None) is result and calls == []  # another status: torchrun's own result
+    result.failures.update({1: SimpleNamespace(exitcode=2), 0: SimpleNamespace(exitcode=2)})
+    with pytest.raises(ValueError):
+        agent._monitor_workers(None)
+    assert calls == ["before", [0, 1]]  # the workers are killed first, then the error names the ranks
 
 
 # ------------------------------------------------------------------ no private torch name elsewhere

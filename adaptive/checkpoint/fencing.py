@@ -21,19 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from typing import NoReturn
 
-from adaptive.checkpoint.generation import Generation, StaleGenerationError, newest_generation
+from adaptive.checkpoint.generation import CheckpointFolderError, Generation, StaleGenerationError, newest_generation
 from adaptive.checkpoint.store import CheckpointError, CheckpointStore
 from adaptive.runtime import env, launch_status
 from adaptive.runtime.job import current_job
 
-__all__ = ["GENERATION_CHECK_INTERVAL", "checkpoint_store", "generation", "stale_generation", "renew_generation"]
+__all__ = ["GENERATION_CHECK_INTERVAL", "CONFIG_ERROR_EXIT_CODE", "checkpoint_store", "generation",
+           "stale_generation", "renew_generation"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between rank 0's reads of the newest generation (:func:`stale_generation`).
 GENERATION_CHECK_INTERVAL = 1.0
+#: Exit status of a worker whose checkpoint folder cannot be created: a configuration error, which a restart
+#: cannot fix, so its launcher ends the node with it (``adaptive.elastic.launcher.CONFIG_ERROR_EXIT_CODE``).
+CONFIG_ERROR_EXIT_CODE = 2
 
 
 @dataclasses.dataclass
@@ -56,7 +62,11 @@ def checkpoint_store() -> CheckpointStore:
     root = env.checkpoint_path()
     fencing = _fencing()
     if fencing.store is None or fencing.store_root != root:
-        fencing.generation = _take_generation(root) if env.rank() == 0 else None
+        fencing.generation = None
+        if env.rank() == 0:
+            fencing.generation = _take_generation(root)
+        else:
+            _check_folder(root)
         fencing.checked_at, fencing.stale = time.monotonic(), None
         fencing.store = CheckpointStore(root, keep=env.checkpoint_keep(), generation=fencing.generation)
         fencing.store_root = root
@@ -69,13 +79,40 @@ def _take_generation(root: str) -> Generation:
     A torchrun restart round of a fenced incarnation must not take over from
     the incarnation that fenced it: adaptive-run ends such an incarnation, and
     a round that starts before it does refuses here.
+
+    A folder that cannot be created (or written in) ends the worker with
+    :data:`CONFIG_ERROR_EXIT_CODE` and one error line naming it and why, no
+    traceback: every restart would fail the same way, and its launcher ends
+    the node at once on that status instead of spending its restarts.
     """
     fenced = launch_status.stale_report()
     if fenced is not None:
         raise StaleGenerationError(root, int(fenced.get("generation") or 0), newest_generation(root))
-    taken = Generation.take(root)
+    try:
+        taken = Generation.take(root)
+    except CheckpointFolderError as error:
+        _exit_on_config_error(error)
     logger.debug("this incarnation is generation %d of the job's checkpoint folder %s", taken.number, root)
     return taken
+
+
+def _check_folder(root: str) -> None:
+    """On the ranks that do not take the generation (nor create the folder): end as rank 0 does when the folder
+    cannot be used (a path under a file, no permission), rather than with a traceback."""
+    try:
+        os.listdir(root)
+    except FileNotFoundError:
+        pass  # rank 0 creates it
+    except OSError as error:
+        if error.errno in CheckpointFolderError.ERRNOS:
+            _exit_on_config_error(CheckpointFolderError.from_os_error(root, error, "read"))
+
+
+def _exit_on_config_error(error: CheckpointFolderError) -> NoReturn:
+    """End this worker with :data:`CONFIG_ERROR_EXIT_CODE` and one line saying why (no traceback)."""
+    logger.error("%s (ADAPTIVE_CHECKPOINT_PATH): a configuration error that a restart cannot fix; exiting with %d",
+                 error, CONFIG_ERROR_EXIT_CODE)
+    raise SystemExit(CONFIG_ERROR_EXIT_CODE) from None
 
 
 def generation() -> Generation | None:

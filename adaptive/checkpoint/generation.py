@@ -45,8 +45,8 @@ from adaptive._utils.files import fsync_dir, read_json, write_json_atomic
 from adaptive._utils.types import JSON
 from adaptive.checkpoint._reading import CheckpointError
 
-__all__ = ["Generation", "GenerationRecord", "StaleGenerationError", "GENERATION_FILE", "LOCK_FILE",
-           "newest_generation"]
+__all__ = ["Generation", "GenerationRecord", "StaleGenerationError", "CheckpointFolderError", "GENERATION_FILE",
+           "LOCK_FILE", "newest_generation"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,27 @@ class GenerationRecord:
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.taken_at))
         return f"generation {self.number} (taken at {when} by pid {self.pid} on {self.host})"
+
+
+class CheckpointFolderError(CheckpointError):
+    """The checkpoint folder cannot be created, or written in (a path under a file, no permission, a read-only
+    file system): a configuration error, which a restart cannot fix."""
+
+    #: errno values of a folder that cannot be created or written in whatever is tried again.
+    ERRNOS = (errno.ENOTDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENAMETOOLONG)
+
+    def __init__(self, folder: str | os.PathLike[str], reason: str, action: str = "create") -> None:
+        self.folder, self.reason = str(folder), reason
+        super().__init__(f"cannot {action} the checkpoint folder {self.folder}: {reason}")
+
+    @classmethod
+    def from_os_error(cls, folder: str | os.PathLike[str], error: OSError,
+                      action: str = "create") -> "CheckpointFolderError":
+        """The error for ``error``, raised when trying to ``action`` (create, write in) ``folder``."""
+        reason = error.strerror or str(error)
+        if error.errno in (errno.ENOTDIR, errno.EEXIST):
+            reason += " (a part of the path is a file)"
+        return cls(folder, reason, action)
 
 
 class StaleGenerationError(CheckpointError):
@@ -152,6 +173,8 @@ class Generation:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
+            if error.errno in CheckpointFolderError.ERRNOS:
+                raise CheckpointFolderError.from_os_error(root, error) from error
             raise CheckpointError(f"cannot create the checkpoint folder {root}: {error}") from error
         with _locked(root, timeout):
             previous = newest_generation(root)
@@ -200,6 +223,8 @@ def _locked(root: Path, timeout: float) -> Iterator[None]:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
+        if error.errno in CheckpointFolderError.ERRNOS:
+            raise CheckpointFolderError.from_os_error(root, error, "write in") from error
         raise CheckpointError(f"cannot open the generation lock {path}: {error}") from error
     try:
         deadline = time.monotonic() + timeout

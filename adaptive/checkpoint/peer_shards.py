@@ -22,9 +22,9 @@ checkpoint (:class:`~adaptive.checkpoint.states.ShardedState`); it costs one
 full copy of the sharded state in rank 0's host memory during the change.
 
 When a member is *lost* the old group is broken, so the full copy is built
-from snapshots instead: at agreed boundaries each rank copies its own shards
-to host memory (:func:`copy_local`); after the members that are left
-re-formed, :func:`gather_from_snapshots` finds, for every shard, a member
+from local copies instead: after the members that are left re-formed, each
+copies its own shards to host memory (:func:`copy_local`; every member holds
+them as the last committed step left them), :func:`gather_from_copies` finds, for every shard, a member
 that holds a copy of it (with HSDP, every replica group holds all of them)
 and sends those copies to the new rank 0, which joins them into the full
 copy that :func:`fill_from_rank0` scatters.  When the lost members held
@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from adaptive._utils.types import StateDict
 from adaptive.runtime import collectives, env
 
-__all__ = ["gather_full", "fill_from_rank0", "copy_local", "gather_from_snapshots", "ShardsLost"]
+__all__ = ["gather_full", "fill_from_rank0", "copy_local", "gather_from_copies", "ShardsLost"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,14 @@ def _scatter(spec: _Sharded, aim: object, source: torch.Tensor | None) -> torch.
     return whole
 
 
-# ---------------------------------------------------------------- after a lost member: from the snapshots
+# ---------------------------------------------------------------- after a lost member: from local copies
 class ShardsLost(RuntimeError):
     """Some shard of the sharded state has no copy among the members that are left (raised on every member)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _LocalShard:
-    """In a snapshot: this rank's part of a DTensor, on the host, and which part it is."""
+    """In a local copy: this rank's part of a DTensor, on the host, and which part it is."""
 
     tensor: torch.Tensor  # the local shard, on the CPU
     shape: tuple[int, ...]  # the whole tensor's
@@ -163,7 +163,7 @@ class _LocalShard:
 def copy_local(state_dict: StateDict) -> StateDict:
     """``state_dict`` with each DTensor replaced by a host copy of this rank's shard (no communication).
 
-    Plain tensors are copied too, other values deep-copied, so the snapshot
+    Plain tensors are copied too, other values deep-copied, so the copy
     does not change when training goes on.
     """
     def leaf(value: object) -> object:
@@ -202,15 +202,15 @@ def _shard_position(value: DTensor) -> tuple[int | None, int]:
     return mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
 
 
-def _local_shards(snapshot: StateDict) -> list[_LocalShard]:
-    """The :class:`_LocalShard` leaves of ``snapshot``, in the order of :func:`_map_leaves`'s walk."""
+def _local_shards(copied: StateDict) -> list[_LocalShard]:
+    """The :class:`_LocalShard` leaves of ``copied``, in the order of :func:`_map_leaves`'s walk."""
     found: list[_LocalShard] = []
-    _map_leaves(snapshot, lambda value: found.append(value) if isinstance(value, _LocalShard) else None)
+    _map_leaves(copied, lambda value: found.append(value) if isinstance(value, _LocalShard) else None)
     return found
 
 
-def gather_from_snapshots(snapshot: StateDict, dst: int = 0) -> StateDict | None:
-    """The whole state on rank ``dst`` of the current group from every member's :func:`copy_local` snapshot.
+def gather_from_copies(copied: StateDict, dst: int = 0) -> StateDict | None:
+    """The whole state on rank ``dst`` of the current group from every member's :func:`copy_local` copy.
 
     Collective on the group the members that are left formed.  Every member
     says which shard it holds; for each shard the first member holding it
@@ -222,7 +222,7 @@ def gather_from_snapshots(snapshot: StateDict, dst: int = 0) -> StateDict | None
         ShardsLost: on every member, before anything is sent, when some
             shard has no copy left or a tensor is not sharded as FSDP2 shards.
     """
-    leaves = _local_shards(snapshot)
+    leaves = _local_shards(copied)
     positions = {(leaf.index, leaf.count) for leaf in leaves}
     mine = positions.pop() if len(positions) == 1 else (None, 0)
     shapes = [(tuple(leaf.tensor.shape), leaf.tensor.dtype) for leaf in leaves]
@@ -240,7 +240,7 @@ def gather_from_snapshots(snapshot: StateDict, dst: int = 0) -> StateDict | None
     received = {dst: [leaf.tensor for leaf in leaves]}
     for holder in sends:
         received[holder] = _receive(said[holder][1], holder, group)
-    return _join(snapshot, [received[holder] for holder in holders], iter(range(len(leaves))))
+    return _join(copied, [received[holder] for holder in holders], iter(range(len(leaves))))
 
 
 def _holders(positions: list[tuple[int | None, int]]) -> list[int]:
@@ -278,8 +278,8 @@ def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int,
     return [tensor for tensor in tensors if tensor is not None]
 
 
-def _join(snapshot: StateDict, by_shard: list[list[torch.Tensor]], order: Iterator[int]) -> StateDict:
-    """``snapshot`` with each local shard replaced by the whole tensor joined from every shard's copy."""
+def _join(copied: StateDict, by_shard: list[list[torch.Tensor]], order: Iterator[int]) -> StateDict:
+    """``copied`` with each local shard replaced by the whole tensor joined from every shard's copy."""
     def leaf(value: object) -> object:
         if not isinstance(value, _LocalShard):
             return value
@@ -290,4 +290,4 @@ def _join(snapshot: StateDict, by_shard: list[list[torch.Tensor]], order: Iterat
                                "the members run different models")
         return whole
 
-    return _map_leaves(snapshot, leaf)
+    return _map_leaves(copied, leaf)

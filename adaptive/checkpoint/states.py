@@ -42,6 +42,7 @@ states block the training loop; see :mod:`adaptive.checkpoint._saving`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -137,6 +138,42 @@ class State:
     def sync(self) -> None:
         """Collective hook called on every replica just before a save."""
 
+    def live_copy(self) -> object:
+        """Live mode: this process's part of the state, copied in memory at each step that every member applied.
+
+        After a lost member, the members that are left go back to their copy
+        (:meth:`restore_live_copy`), which undoes what the step in flight
+        changed besides the update itself (the LR scheduler stepped, metrics
+        counted, random numbers drawn; :mod:`adaptive.elastic.live`).  It is
+        taken after every step, without communication, so keep it small: the
+        default copies :meth:`state_dict`; the model wrappers leave out the
+        weights and the optimizer state, which the step commit keeps equal on
+        every member (:mod:`adaptive.runtime.step_commit`).
+        """
+        return copy.deepcopy(self.state_dict())
+
+    def restore_live_copy(self, saved: object) -> None:
+        """Go back to what :meth:`live_copy` returned (it may be restored again after another loss)."""
+        self.load_state_dict(copy.deepcopy(saved))
+
+    def private_part(self) -> object | None:
+        """Live mode: what this replica alone holds of the state and would take with it if it were lost.
+
+        An :class:`~adaptive.Accumulator`'s increments that were not
+        synchronized yet are the example: no other member has them, and the
+        steps they count are not trained again after a loss.  Each member
+        publishes its private parts on the job's store at every committed step
+        (when they changed), and after a loss the new rank 0 folds the lost
+        members' parts in (:meth:`adopt_private_part`).  Plain containers of
+        numbers, strings and CPU tensors.  None (the default): nothing private.
+        """
+        return None
+
+    def adopt_private_part(self, part: object, worker: int) -> None:
+        """Live mode, on the new rank 0 after a loss: fold in ``part``, what lost ``worker`` last published as
+        its :meth:`private_part` (this state went back to its last commit point just before)."""
+        raise NotImplementedError(f"{type(self).__name__} publishes a private part but cannot adopt one")
+
     def restore_on_admission(self) -> None:
         """Live mode: restore from the running members' state, received when this process was admitted.
 
@@ -218,10 +255,10 @@ class ShardedState(State):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot move between live generations in memory")
 
-    def snapshot_shards(self) -> Any:
-        """Live mode: this rank's shards copied to host memory, to go back to after a lost member.
+    def copy_local_shards(self) -> Any:
+        """Live mode, after a lost member: this rank's shards copied to host memory.
 
-        See :func:`adaptive.checkpoint.peer_shards.copy_local`; after the loss
+        See :func:`adaptive.checkpoint.peer_shards.copy_local`;
         :func:`adaptive.checkpoint.handover.recover_sharded_states` joins the members' copies.
         """
         return peer_shards.copy_local(self.sharded_state_dict())

@@ -8,6 +8,8 @@ tokens) consumed over the whole job, and a token-budget plan in progress.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable
 
 from adaptive.checkpoint import states
@@ -45,6 +47,14 @@ class LoaderState(states.State):
             "consumed": self.consumed,
             "plan": self.plan,
         }
+
+    def live_copy(self) -> dict:
+        """Live mode, after every committed step: :meth:`state_dict` holds fresh containers of numbers already;
+        only a token plan is copied deeply (a generic deep copy is most of the cost here)."""
+        state = self.state_dict()
+        if state["plan"] is not None:
+            state["plan"] = copy.deepcopy(state["plan"])
+        return state
 
     def manifest_step(self) -> tuple[str, int]:
         """The loader's name (with the epoch that owns it, if any) and the steps it took, for the manifest."""

@@ -29,7 +29,7 @@ from adaptive.parallel._training import trained_models
 from adaptive.runtime import env, membership, peer_failure
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.job import current_job
-from adaptive.runtime.step import StepContext, stream
+from adaptive.runtime.step import StepContext, begin_step, stream
 from adaptive.data._loop import Lookahead, Plan
 from adaptive.data._workers import signals_blocked
 from adaptive.data.steps import PlannedStep
@@ -173,6 +173,7 @@ class LoaderPass:
                     self._end_step(None)
                     continue
                 self._commit(step)
+                boundaries.step_committed()
                 trained += 1
         except GeneratorExit:
             # ``break`` (or the loop abandoned): the loop counts as done.  No
@@ -257,6 +258,7 @@ class LoaderPass:
         divisor = model.gradient_divisor(count) if model is not None else replicas
         self._weights = [loss_weight(step, m, total or 0, divisor) for m in range(count)]
         self.step_now = step
+        begin_step()
         local = step.shape.micro if loader._sizer.per_replica else max(1, step.shape.micro // replicas)
         self._last_step = (local, count)
 

@@ -213,10 +213,11 @@ class AdaptiveDataLoader:
         Called when the loader is built and again when a live joiner restored
         its state at admission, after it was built.
         """
-        if self._state.batch_size != self._given_batch_size:
-            logger.info("loader %s: continuing with the checkpointed %s %d (%d given)", self.name,
-                        "batch size" if self._schedule is None else "reference batch size",
-                        self._state.batch_size, self._given_batch_size)
+        if self._state.batch_size != self._given_batch_size:  # a joiner or a relaunch with other settings
+            logger.warning("loader %s: the checkpointed %s %d overrides the %d given: the job goes on with the "
+                           "batch size it was started with (start a new job, with another checkpoint folder, to "
+                           "change it)", self.name, "batch size" if self._schedule is None else
+                           "reference batch size", self._state.batch_size, self._given_batch_size)
         self._init_batch_size = self._state.batch_size
         self._sizer = self._make_sizer()
         if self._controller is not None:

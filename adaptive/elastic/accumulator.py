@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from adaptive.checkpoint import admission, naming, states
-from adaptive.runtime import collectives
+from adaptive.runtime import collectives, membership
 from adaptive.runtime.step import loop_running
 from adaptive.elastic import epoch, sync_points
 from adaptive.observe import metrics
@@ -109,6 +109,10 @@ class _AccumulatorState(states.State):
         self.results: dict[Any, Any] = dict(initial)
         self.updates: dict[Any, Any] = {}
         self.results_history: dict[int | None, list[dict[Any, Any]]] = {}
+        #: Live mode: the last sync, as (the live generation it ran in, its number in that generation); it
+        #: tells whether a lost member's published increments came after the last sync (they were not folded
+        #: in yet) or before it (they were).
+        self.syncs: tuple[int | None, int] = (None, 0)
 
     def sync(self) -> None:
         """Fold every replica's pending increments into the totals."""
@@ -116,6 +120,11 @@ class _AccumulatorState(states.State):
         for updates in gathered:
             self.results = _merge(self.results, updates)
         self.updates = {}
+        generation = membership.generation_number()
+        self.syncs = (generation, self._syncs_in(generation) + 1)
+
+    def _syncs_in(self, generation: int | None) -> int:
+        return self.syncs[1] if self.syncs[0] == generation else 0
 
     def state_dict(self) -> dict[str, Any]:
         history = [[key, [_encode(r) for r in results]] for key, results in self.results_history.items()]
@@ -125,6 +134,44 @@ class _AccumulatorState(states.State):
         self.results = _decode(state["results"])
         self.results_history = {key: [_decode(r) for r in results] for key, results in state["history"]}
         self.updates = {}
+
+    def live_copy(self) -> dict[str, Any]:
+        """Live mode: the totals and this replica's pending increments (the step in flight's are undone)."""
+        return copy.deepcopy({"results": self.results, "updates": self.updates, "history": self.results_history,
+                              "syncs": self.syncs})
+
+    def restore_live_copy(self, saved: object) -> None:
+        assert isinstance(saved, dict)
+        saved = copy.deepcopy(saved)
+        self.results, self.updates, self.results_history = saved["results"], saved["updates"], saved["history"]
+        self.syncs = saved["syncs"]
+
+    def private_part(self) -> dict[str, Any] | None:
+        """Live mode: this replica's increments not synchronized yet, with the generation and the number of
+        syncs in it so far (which date them against the syncs of the member that adopts them)."""
+        if not self.updates:
+            return None
+        generation = membership.generation_number()
+        return {"generation": generation, "syncs": self._syncs_in(generation), "updates": _encode(self.updates)}
+
+    def _synced_since(self, generation: int | None, syncs: int) -> bool:
+        """Whether this replica synced after the ``syncs``-th sync of ``generation`` (syncs are collective: a
+        member that was there synced too; one joined later synced from its first generation on, whose changes
+        sync before it joins)."""
+        last_generation, count = self.syncs
+        if last_generation is None or generation is None:
+            return last_generation is not None and generation is None
+        return last_generation > generation or (last_generation == generation and count > syncs)
+
+    def adopt_private_part(self, part: object, worker: int) -> None:
+        """Add a lost member's increments to this replica's pending ones (the next sync counts them once),
+        unless this replica synced since they were published: that sync folded them in already."""
+        assert isinstance(part, dict)
+        if self._synced_since(part["generation"], int(part["syncs"])):
+            logger.info("%s: worker %d's last published increments came before the last synchronized(), which "
+                        "counted them", self.name, worker)
+            return
+        self.updates = _merge(self.updates, _decode(part["updates"]))
 
 
 def _record_totals(name: str, current: int | None, results: dict[Any, Any]) -> None:

@@ -2,16 +2,17 @@
 
 Between two steps of an ``AdaptiveDataLoader`` loop the elastic runtime may
 have to act: agree with the other replicas (a stop, a checkpoint, a live
-membership change, :mod:`adaptive.elastic.sync_points`), take a live
-snapshot, or, when a live member was lost, re-form without it and go back
+membership change, :mod:`adaptive.elastic.sync_points`), or, when a live
+member was lost, re-form without it and go back to the last committed step
 (:mod:`adaptive.elastic.live`), or end the process for the restart path
 when that cannot be done in memory.  :class:`LoopBoundaries` does all of
 that for one pass of a loop, so that the loader itself only plans and
-yields steps: it asks :meth:`LoopBoundaries.cross` for the next step, and
-after each step whether it was lost (:meth:`LoopBoundaries.step_lost`).
+yields steps: it asks :meth:`LoopBoundaries.cross` for the next step,
+after each step whether it was lost (:meth:`LoopBoundaries.step_lost`), and
+says when it committed one (:meth:`LoopBoundaries.step_committed`).
 
 A loss can surface at any collective of a boundary (the agreement, a
-change, the snapshot, the batch-size decision, the agreement before a
+change, the batch-size decision, the agreement before a
 loop's last step or after it ends); wherever it does, :meth:`cross` goes
 back to the boundary, re-forms, and plans again from the committed
 position.
@@ -25,7 +26,7 @@ from typing import Callable, TypeVar
 from adaptive.elastic import live, sync_points
 from adaptive.elastic.stopping import PEER_FAILED_EXIT_CODE
 from adaptive.runtime import membership, peer_failure
-from adaptive.runtime.step import faulted, stream
+from adaptive.runtime.step import discarded, faulted, stream
 
 __all__ = ["LoopBoundaries"]
 
@@ -39,8 +40,8 @@ class LoopBoundaries:
 
     Args:
         metadata: the loop's position, for a checkpoint's manifest.
-        where: the loop in progress (epoch, loader, loop): a live snapshot
-            is good for its own loop only.
+        where: the loop in progress (epoch, loader, loop): the states kept at a
+            live commit point are good for their own loop only.
     """
 
     def __init__(self, metadata: sync_points.Metadata, where: Callable[[], tuple[object, ...]]) -> None:
@@ -65,13 +66,11 @@ class LoopBoundaries:
         while True:
             if not faulted():
                 first = self._agree(first)
-            while faulted():  # live mode: a member was lost; those left go back to the last snapshot
+            while faulted():  # live mode: a member was lost; those left go back to the last committed step
                 self._recover()
                 first = True
-            if sync_points.snapshot_agreed() or first:  # (the flag is consumed either way)
-                live.take_snapshot(self._where())
-                if faulted():  # a member was lost during the snapshot
-                    continue
+            if first:  # live mode: what a loss before the next committed step goes back to
+                live.keep_commit_point(self._where())
             decide(first)
             if faulted():  # a member was lost while the batch size was agreed
                 continue
@@ -92,9 +91,14 @@ class LoopBoundaries:
             return step
 
     def step_lost(self) -> bool:
-        """After a step's micro-batches: whether a live member was lost during it (it is discarded, not
-        committed, and :meth:`cross` goes back)."""
-        return faulted()
+        """After a step's micro-batches: whether a live member was lost before every member applied it (it is
+        discarded, not committed, and :meth:`cross` goes back).  A step whose update every member applied
+        counts as trained, even when a member was lost after it (:mod:`adaptive.runtime.step_commit`)."""
+        return discarded()
+
+    def step_committed(self) -> None:
+        """The loader committed a step: in a live job, what a loss goes back to from now on."""
+        live.keep_commit_point(self._where())
 
     def _agree(self, first: bool) -> bool:
         """The agreement at this boundary; whether it is a first one (of the pass, or of a new membership)."""
@@ -110,7 +114,7 @@ class LoopBoundaries:
         return False
 
     def _recover(self) -> None:
-        """Live mode: re-form without the lost member and go back to the snapshot, or end this process."""
+        """Live mode: re-form without the lost member and go back to the last committed step, or end this process."""
         error = stream().fault
         if not live.recover(self._where(), loop_untrained=not self._planned):
             assert error is not None

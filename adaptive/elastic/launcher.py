@@ -41,6 +41,14 @@ One incarnation at a time (guarantee G6):
   ``adaptive-run`` then ends the whole incarnation instead of letting
   torchrun restart the workers, and exits with
   :data:`~adaptive.runtime.launch_status.STALE_GENERATION_EXIT_CODE` (3).
+
+A worker that exits with :data:`CONFIG_ERROR_EXIT_CODE` (2: a usage or
+configuration error, such as a bad argument, a script that cannot be opened
+or a checkpoint folder that cannot be created) would fail the same way at
+every restart: ``adaptive-run`` ends its workers and exits with 2 at once,
+without spending ``--max-restarts`` (torchrun's agent would restart the
+workers on any failure; see :func:`_end_node_on_usage_errors`). ``adaptive-run
+--live`` does the same (:mod:`.live_agent`).
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from typing import Any
 from adaptive.elastic import warm_start
 from adaptive.runtime import launch_status, process_tree
 
-__all__ = ["main", "RDZV_DEFAULTS", "build_args"]
+__all__ = ["main", "RDZV_DEFAULTS", "build_args", "CONFIG_ERROR_EXIT_CODE"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,10 @@ logger = logging.getLogger(__name__)
 RDZV_DEFAULTS = {"last_call_timeout": "5", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
 #: Seconds between the launcher's looks for a worker's report of a stale generation.
 STALE_POLL = 0.1
+#: Exit status of a worker, and then of ``adaptive-run``, after a usage or configuration error that a restart
+#: cannot fix (Python's status for a bad argument or a script that cannot be opened; the library's for a
+#: checkpoint folder that cannot be created); the same as ``adaptive.elastic.live_store.CONFIG_ERROR_EXIT_CODE``.
+CONFIG_ERROR_EXIT_CODE = 2
 
 
 def _merge_rdzv_conf(user_conf: str) -> str:
@@ -164,11 +176,16 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(status_dir, ignore_errors=True)
         _exit_now(status)
     _watch_for_stale_generation(status_dir)
+    _end_node_on_usage_errors()
     try:
         run(args)
     except Exception as error:
         stop = _signal_behind(error)
         _end_if_stale(status_dir)  # the workers failed because a newer generation fenced them: say that
+        if isinstance(error, _UsageError):
+            logger.error("adaptive-run: %s", error)
+            shutil.rmtree(status_dir, ignore_errors=True)
+            _exit_now(CONFIG_ERROR_EXIT_CODE)
         if stop is None:
             raise
         # torchrun forwarded the signal to the workers, which checkpointed and exited.
@@ -183,6 +200,36 @@ def main(argv: list[str] | None = None) -> None:
         _exit_now(128 + int(stop.sigval))
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+class _UsageError(Exception):
+    """A worker exited with :data:`CONFIG_ERROR_EXIT_CODE`: raised in torchrun's agent to end it, not restart."""
+
+
+def _end_node_on_usage_errors() -> None:
+    """Have torchrun's agent end this node when a worker exits with 2, instead of restarting every worker.
+
+    torchrun's agent restarts the worker group on any failure while
+    ``--max-restarts`` allows. Through the adapter
+    (:func:`~adaptive._utils.torch_internals.end_elastic_agent_on_exit_code`),
+    the agent that torchrun's ``launch_agent`` builds in this process, at the
+    first failure with exit status 2, kills the workers left and raises
+    :class:`_UsageError`, which ends the agent (it shuts its workers and its
+    rendezvous down) and :func:`main` exits with 2.
+    """
+    from adaptive._utils.torch_internals import end_elastic_agent_on_exit_code
+
+    def usage_error(ranks: list[int]) -> _UsageError:
+        return _UsageError(
+            f"worker (rank {', '.join(map(str, ranks))}) exited with {CONFIG_ERROR_EXIT_CODE}, a usage "
+            "or configuration error (a bad argument, a script that cannot be opened, a checkpoint "
+            "folder that cannot be created) that a restart cannot fix; ending this node with "
+            f"{CONFIG_ERROR_EXIT_CODE} without restarting its workers")
+
+    def kill_workers() -> None:
+        process_tree.kill_process_tree(os.getpid(), include_root=False, timeout=10.0)
+
+    end_elastic_agent_on_exit_code(CONFIG_ERROR_EXIT_CODE, usage_error, kill_workers)
 
 
 def _signal_behind(error: BaseException) -> Any:

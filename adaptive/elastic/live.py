@@ -32,18 +32,22 @@ once, the change is a stop: the job checkpoints and exits, as without
 live mode.
 
 When a member is lost, the step in flight fails on the others; they record
-it on the step instead of raising (:func:`adaptive.runtime.step.record_fault`),
-skip its optimizer step, and at the next boundary call :func:`recover`:
-they re-form on the store without the lost member
-(:func:`adaptive.runtime.reforming.reform_after_loss`; again, when another
-member is lost while they re-form) and go back to the
-last in-memory snapshot of every state (:func:`take_snapshot`, taken at
-agreed boundaries every ``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL`` seconds and at
-each loop's first boundary), so the steps since then are trained again.
-A sharded model (FSDP2, HSDP) snapshots each rank's own shards; after a
-loss the members that are left join a whole copy from them on the new
-rank 0 (:func:`adaptive.checkpoint.handover.recover_sharded_states`) and shard
-it anew for themselves, as at a change.  Its mesh's collectives record the
+it on the step instead of raising (:func:`adaptive.runtime.step.record_fault`).
+Before a wrapped optimizer applies a step, the members agree on the store
+whether every one of them completed it (:mod:`adaptive.runtime.step_commit`),
+so the update is applied on every member or on none, and the weights and
+optimizer state of the members that are left are always equal.  At the
+next boundary they call :func:`recover`: they re-form on the store without
+the lost member (:func:`adaptive.runtime.reforming.reform_after_loss`;
+again, when another member is lost while they re-form) and each state goes
+back to its copy of the last committed step (:func:`keep_commit_point`:
+small copies, without the weights and the optimizer state, taken after
+every step), so only the step in flight is trained again, and only when no
+member applied it.
+A sharded model (FSDP2, HSDP): after a loss the members that are left join
+a whole copy of their shards on the new rank 0
+(:func:`adaptive.checkpoint.handover.recover_sharded_states`) and shard it
+anew for themselves, as at a change.  Its mesh's collectives record the
 loss instead of raising (:mod:`adaptive.runtime.fault_tolerant_group`, gloo
 only).  With HSDP every replica group holds every shard, so losing any
 replica group's members is recovered in memory; when the lost members held
@@ -53,26 +57,25 @@ groups), or the mesh is on NCCL, every member restarts from the checkpoint.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from adaptive.checkpoint import fencing, handover, states
-from adaptive.elastic import random_state
+from adaptive.checkpoint import fencing, handover, private_parts, states
 from adaptive.checkpoint.peer_shards import ShardsLost
-from adaptive.runtime import (admitting, collectives, draining, env, fault_tolerant_group, membership, peer_failure,
-                              reforming)
+from adaptive.runtime import (admitting, collectives, draining, env, fault_tolerant_group, membership, reforming,
+                              step_commit)
+from adaptive.runtime.live_protocol import Generation, private_key
 from adaptive.runtime import step as step_records
 from adaptive.runtime.job import current_job
 
 if TYPE_CHECKING:
     import torch.distributed
 
-__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "drains_seen", "change", "snapshot_due",
-           "take_snapshot", "recover"]
+__all__ = ["Outcome", "request_leave", "leave_requested", "joins_seen", "drains_seen", "change",
+           "keep_commit_point", "recover"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,12 @@ def _job_store() -> torch.distributed.Store:
     return store
 
 
+def _wid() -> int:
+    wid = membership.membership().wid
+    assert wid is not None, "a member of a live generation has a worker id"
+    return wid
+
+
 def _leave_if_drained(drains: int) -> None:
     """Leave at this change if this member's node was asked to drain (read only when a drain was agreed)."""
     if drains and draining.is_drained(_job_store(), env.live_node()):
@@ -155,8 +164,7 @@ def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
     """
     started = time.perf_counter()
     states.wait_for_pending_save()
-    wid = membership.membership().wid
-    assert wid is not None, "a member of a live generation has a worker id"
+    wid = _wid()
     _leave_if_drained(drains)
     leaving = collectives.allgather_object((wid, leave_requested()))
     survivors = [wid for wid, leaves in leaving if not leaves]
@@ -164,6 +172,7 @@ def change(joins: int, metadata: dict[str, Any], *, drains: int = 0) -> Outcome:
         return Outcome.STOP
     for state in states.registered_states():
         state.sync()
+    keep_commit_point()  # what was folded in by the syncs stays, should a member be lost during the change
     following = None
     if env.rank() == 0:
         draining.mark_served(_job_store(), drains)
@@ -203,7 +212,7 @@ def _where(metadata: dict[str, Any]) -> str:
     return f"epoch {metadata.get('epoch')}, step {metadata.get('step')}"
 
 
-# ---------------------------------------------------------------- a lost member: back to the last snapshot
+# ---------------------------------------------------------------- a lost member: back to the last committed step
 #: Seconds the members that are left wait for the others to say whether they live.
 REFORM_TIMEOUT = 30.0
 #: How many times the members that are left re-form when more members are lost while they re-form.
@@ -211,75 +220,93 @@ REFORM_ATTEMPTS = 3
 
 
 @dataclasses.dataclass
-class _Snapshot:
-    """The job's states at the last snapshot point, in memory (its record on the job context)."""
+class _CommitPoint:
+    """Every state's live copy at this member's last committed step (its record on the job context)."""
 
     where: tuple[Any, ...] | None = None  # the loop it was taken in: (epoch, loader, loop)
-    contents: dict[str, Any] = dataclasses.field(default_factory=dict)
-    shards: dict[str, Any] = dataclasses.field(default_factory=dict)  # sharded states: this rank's shards
-    generators: dict[str, Any] | None = None  # this process's random generators (random_state.capture_local)
-    taken_at: float | None = None  # monotonic
+    copies: dict[str, object] = dataclasses.field(default_factory=dict)  # state name -> State.live_copy()
+    published: bool = False  # whether the record this member last put on the store holds private parts
 
 
-def snapshot_due() -> bool:
-    """On rank 0 of a live job: whether the next snapshot is due (the per-step agreement carries it)."""
-    if not membership.is_live() or env.rank() != 0 or env.live_snapshot_interval() <= 0:
-        return False
-    taken_at = current_job().part(_Snapshot).taken_at
-    return taken_at is None or time.monotonic() - taken_at >= env.live_snapshot_interval()
+def keep_commit_point(where: tuple[Any, ...] | None = None) -> None:
+    """Keep every state's live copy (:meth:`adaptive.checkpoint.states.State.live_copy`); no communication.
 
-
-def take_snapshot(where: tuple[Any, ...]) -> None:
-    """Copy every state in memory at an agreed boundary of loop ``where``; collective (each state's ``sync()``).
-
-    Each process also keeps its own random generators, so that a step
-    trained again after a loss draws the numbers it drew the first time (its
-    dropout masks, its random augmentation in the training process).  A
-    sharded state keeps this rank's shards
-    (:func:`adaptive.checkpoint.handover.snapshot_sharded_states`).
+    Called after each step the loader committed in loop ``where`` and at the
+    loop's first boundary (of a pass, or of a new generation), in a live
+    generation with other members (alone, no member can be lost), and in a
+    change after the states' ``sync()`` (``where`` None: the same loop).  The
+    weights and optimizer state are not copied: every member applies a step
+    or none does (:mod:`adaptive.runtime.step_commit`).
     """
-    if not membership.is_live() or env.live_snapshot_interval() <= 0:
+    generation = membership.membership().generation
+    if (not membership.is_live() or generation is None or len(generation.members) < 2
+            or env.live_recovery() != "memory"):
         return
+    point = current_job().part(_CommitPoint)
     registered = states.registered_states()
-    try:
-        for state in registered:
-            state.sync()
-    except collectives.CollectiveError as error:  # a member was lost: the last snapshot stays
-        if not peer_failure.absorb_in_live_mode(error):
-            raise
+    point.copies = {state.name: state.live_copy() for state in registered}
+    if where is not None:
+        point.where = where
+    _publish_private_parts(point, generation.number, registered)
+
+
+def _publish_private_parts(point: _CommitPoint, generation: int, registered: list[states.State]) -> None:
+    """Put what this member alone holds (:meth:`adaptive.checkpoint.states.State.private_part`) on the job's
+    store, with the steps committed so far, so that a loss does not take it away (one write; none while this
+    member holds nothing private and its last record said so)."""
+    parts = {state.name: part for state in registered if (part := state.private_part()) is not None}
+    if not parts and not point.published:
         return
-    snapshot = current_job().part(_Snapshot)
-    snapshot.contents = {state.name: copy.deepcopy(state.state_dict()) for state in registered
-                         if state.name != random_state.NAME}
-    snapshot.shards = handover.snapshot_sharded_states()
-    snapshot.generators = random_state.capture_local()
-    snapshot.where, snapshot.taken_at = where, time.monotonic()
+    packed = private_parts.pack(parts, generation, step_commit.commits(generation))
+    try:
+        _job_store().set(private_key(_wid()), packed)  # type: ignore[arg-type]  # (bytes: the stub says str)
+    except (RuntimeError, OSError) as error:  # the store is gone: a loss now takes the restart path anyway
+        logger.warning("cannot put this member's private state on the live job's store (%s)", type(error).__name__)
+        return
+    point.published = bool(parts)
 
 
 def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
-    """A member was lost during the step in flight: re-form without it and go back to the last snapshot.
+    """A member was lost during the step in flight: re-form without it and go back to the last committed step.
 
     Called on every member that is left, at the boundary after the failed
-    step (which was not committed).  ``loop_untrained``: the loss came at the
-    first boundary of loop ``where``, before it trained a step (a checkpoint
-    or the agreement as the loop starts); the states are then those the
-    previous loop ended with, the same on every member that took a snapshot
-    before, and they are kept as they are.  Returns False when recovery
-    cannot be done in memory (no snapshot of this loop, or none ever for a
-    loss at a loop's start; this member was taken for dead): the caller then
-    ends the process and the restart path takes over.
+    step.  The members agreed whether the step's update was applied
+    (:mod:`adaptive.runtime.step_commit`): when it was, the step counts as
+    trained; when it was not, it is trained again.  Either way each state
+    goes back to its copy of the last commit point (:func:`keep_commit_point`),
+    which undoes what the step in flight changed besides its update.
+    ``loop_untrained``: the loss came at the first boundary of loop
+    ``where``, before it trained a step; the states are then those the
+    previous loop ended with, the same on every member, and are kept as
+    they are.  Returns False when recovery cannot be done in memory (no copy
+    of this loop; this member was taken for dead; one optimizer of the step
+    applied its update and another did not): the caller then ends the
+    process and the restart path takes over.
     """
-    snapshot = current_job().part(_Snapshot)
-    error = step_records.stream().fault
+    point = current_job().part(_CommitPoint)
+    steps = step_records.stream()
+    error = steps.fault
+    shards = _copy_shards()  # (sharded models: while their mesh's groups are still registered)
     _give_up_on_the_group()
     states.abandon_pending_save()  # a background save in flight ran on the broken group
-    at_loop_start = loop_untrained and snapshot.where != where and bool(snapshot.contents)
-    if not at_loop_start and (snapshot.where != where or not snapshot.contents):
-        logger.error("lost a member (%s) with no snapshot of this loop to go back to; restarting from the "
+    if shards is None:
+        return False
+    if env.live_recovery() != "memory":
+        logger.error("lost a member (%s); restarting every member from the checkpoint "
+                     "(ADAPTIVE_LIVE_RECOVERY=%s)", error, env.live_recovery())
+        return False
+    if steps.step_committed and steps.step_aborted:
+        logger.error("lost a member (%s) between the updates of two optimizers of one step (one was applied, the "
+                     "other not); restarting from the checkpoint", error)
+        return False
+    at_loop_start = loop_untrained and point.where != where and bool(point.copies)
+    if not at_loop_start and (point.where != where or not point.copies):
+        logger.error("lost a member (%s) with no copy of this loop's states to go back to; restarting from the "
                      "checkpoint", error)
         return False
     started = time.perf_counter()
     before = env.num_replicas()
+    lost_in = membership.membership().generation
     points = _reform(where, at_loop_start)
     if points is None:
         return False
@@ -287,27 +314,60 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
         logger.error("lost a member (%s), and the members that are left stopped at different points %s; "
                      "restarting from the checkpoint", error, sorted(set(points), key=repr))
         return False
-    # The sharded states' own shards at the loop's start are what the previous loop ended with.
-    shards = handover.snapshot_sharded_states() if at_loop_start else snapshot.shards
     if not at_loop_start:
         for state in states.registered_states():
-            if state.name in snapshot.contents:
-                state.load_state_dict(copy.deepcopy(snapshot.contents[state.name]))
-        if snapshot.generators is not None:
-            random_state.restore_local(snapshot.generators)
-    step_records.stream().fault = None
-    if shards:
-        try:
-            handover.recover_sharded_states(shards)
-        except ShardsLost as lost:
-            logger.error("lost a member (%s) and %s; restarting from the checkpoint", error, lost)
-            return False
+            if state.name in point.copies:
+                state.restore_live_copy(point.copies[state.name])
+    assert lost_in is not None, "a member of a live generation"
+    if env.rank() == 0:
+        _adopt_private_parts(lost_in)
+    steps.fault = None
+    if not _recover_shards(shards, error):
+        return False
     fencing.renew_generation()
     back_to = ("the start of this loop" if at_loop_start else
-               f"the snapshot of {time.monotonic() - (snapshot.taken_at or time.monotonic()):.1f} s ago")
+               "after the step in flight, which every member applied" if steps.step_committed else
+               "before the step in flight, which no member applied: it is trained again")
     logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",
                    type(error).__name__ if error else "?", before, env.num_replicas(), membership.generation_number(),
                    back_to, time.perf_counter() - started)
+    return True
+
+
+def _adopt_private_parts(lost_in: Generation) -> None:
+    """On the new rank 0: fold in what the members lost from generation ``lost_in`` published as theirs alone."""
+    store, following = _job_store(), membership.membership().generation
+    assert following is not None
+    staying = {member.wid for member in following.members}
+    records = {}
+    for member in lost_in.members:
+        key = private_key(member.wid)
+        if member.wid not in staying and store.check([key]):
+            records[member.wid] = store.get(key)
+    if records:
+        private_parts.adopt(records, lost_in.number, step_commit.commits(lost_in.number))
+
+
+def _copy_shards() -> dict[str, Any] | None:
+    """Each sharded state's local shards, copied to the host (no communication); None when they cannot be."""
+    try:
+        return handover.copy_local_shards()
+    except RuntimeError as error:
+        logger.error("lost a member, and this member's shards cannot be copied (%s); restarting from the checkpoint",
+                     error)
+        return None
+
+
+def _recover_shards(shards: dict[str, Any], error: BaseException | None) -> bool:
+    """Sharded models (HSDP): the members that are left shard anew from their ``shards`` (each its own, as the
+    last committed step left them); False when the lost members held every copy of some shard (1-D FSDP)."""
+    if not shards:
+        return True
+    try:
+        handover.recover_sharded_states(shards)
+    except ShardsLost as lost:
+        logger.error("lost a member (%s) and %s; restarting from the checkpoint", error, lost)
+        return False
     return True
 
 

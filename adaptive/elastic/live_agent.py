@@ -36,7 +36,11 @@ arguments: ``--nnodes MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``,
 
 The job's store listens on the endpoint's address only and serves one job
 (:mod:`adaptive.elastic.live_store`): a launcher of another job is refused
-with 2.  When the node that hosts it is lost, the others end their workers
+with 2.  With ``ADAPTIVE_LIVE_SECRET`` (or ``ADAPTIVE_LIVE_SECRET_FILE``)
+the job's records are signed (:mod:`adaptive.runtime.signed_records`): the
+agent hands the secret to its workers, signs its own records and claims its
+node number; a launcher with another secret is refused with 2 too.  When
+the node that hosts it is lost, the others end their workers
 and exit with 75, for a supervisor to relaunch them (the job resumes from
 its newest checkpoint).
 
@@ -53,6 +57,7 @@ import dataclasses
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -80,6 +85,8 @@ STOP_GRACE = 60.0
 STORE_LOSS_GRACE = 3.0
 #: Exit status after the job's store was lost with its host node: relaunch (sysexits' EX_TEMPFAIL).
 STORE_LOST_EXIT_CODE = 75
+#: The most nodes the hosting agent looks at when it waits for the others to be done.
+MAX_NODES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +181,8 @@ class LiveAgent:
         self.hosted = live_store.host_or_connect(config.host, config.port)
         self.store, self.hosting = self.hosted.store, self.hosted.hosting
         live_store.claim_identity(self.store, config.identity())
-        self.node = int(self.store.add(live_protocol.AGENTS_KEY, 1))
+        self.agents = membership.agents_store(self.store)  # the launchers' records, signed with the job's secret
+        self.node = self._claim_node()
         self.store_lost_at: float | None = None  # when the store first failed to answer (monotonic)
         self._beat()
         self.status_dir = status_dir
@@ -182,9 +190,28 @@ class LiveAgent:
         self.slots = {local_rank: WorkerSlot() for local_rank in range(config.per_node)}
         self.stopping = False
 
+    def _claim_node(self) -> int:
+        """This launcher's node number: the next of the launchers' counter; with a secret also claimed with a
+        signed record, skipping numbers another launcher holds (a counter set back would give one twice)."""
+        from adaptive.runtime import signed_records
+
+        if not signed_records.is_signed(self.agents):
+            return int(self.store.add(live_protocol.AGENTS_KEY, 1))
+        token = f"{os.getpid()}/{secrets.token_hex(8)}"
+        for _ in range(membership.CLAIM_ATTEMPTS):
+            node = int(self.store.add(live_protocol.AGENTS_KEY, 1))
+            if self.agents.compare_set(live_protocol.agent_claim_key(node), "", token).decode() == token:
+                return node
+        raise SystemExit(f"adaptive-run --live: no free node number after {membership.CLAIM_ATTEMPTS} tries: the "
+                         f"counter {live_protocol.AGENTS_KEY!r} on the job's store is being set back")
+
     def _environment(self, local_rank: int) -> dict[str, str]:
         config = self.config
         environment = process_tree.child_environment()
+        secret = env.live_secret()
+        if secret is not None:  # the workers sign with the launcher's secret, however it was given
+            environment.pop(env.LIVE_SECRET_FILE_VAR, None)
+            environment[env.LIVE_SECRET_VAR] = secret.decode()
         environment.update({
             env.LIVE_STORE_VAR: f"{config.host}:{config.port}", env.LIVE_NODE_VAR: str(self.node),
             env.LIVE_MIN_VAR: str(config.smallest), env.LIVE_MAX_VAR: str(config.largest),
@@ -227,7 +254,7 @@ class LiveAgent:
 
     def _beat(self, done: bool = False) -> None:
         """Tell the other agents (the hosting one) that this one lives, or that it is done."""
-        self.store.set(live_protocol.agent_key(self.node), "done" if done else repr(time.time()))
+        self.agents.set(live_protocol.agent_key(self.node), "done" if done else repr(time.time()))
         self.beaten = time.monotonic()
 
     def run(self) -> int:
@@ -282,23 +309,26 @@ class LiveAgent:
     def _worker_exited(self, local_rank: int, code: int) -> int | None:
         """Restart or retire a worker that exited; an exit status when the whole agent must end now."""
         slot = self.slots[local_rank]
+        exited = slot.process
+        assert exited is not None, "a worker that exited ran"
         slot.process, slot.exit_code = None, code
         if code == launch_status.STALE_GENERATION_EXIT_CODE or launch_status.stale_report(self.status_dir):
             logger.error("adaptive-run --live: a newer incarnation of the job took over; ending this one")
             self._kill_all()
             return launch_status.STALE_GENERATION_EXIT_CODE
-        if code not in DONE_EXIT_CODES:
-            self._say_dead(local_rank)
-        if code in DONE_EXIT_CODES or self.stopping or self._drained():
+        if code in DONE_EXIT_CODES:
             return None
+        self._say_dead(local_rank, exited.pid)
         if code == live_store.CONFIG_ERROR_EXIT_CODE:  # Python's own status for a bad argument or a missing script
             logger.error("adaptive-run --live: worker %d exited with %d, a usage or configuration error (a bad "
-                         "argument, a script that cannot be opened) that a restart cannot fix; ending node %d",
-                         local_rank, code, self.node)
+                         "argument, a script that cannot be opened, a checkpoint folder that cannot be created) "
+                         "that a restart cannot fix; ending node %d", local_rank, code, self.node)
             self._kill_all()
             return live_store.CONFIG_ERROR_EXIT_CODE
-        if not self._store_answers():  # the job cannot go on without its store: a restart would be spent
+        if not self._store_answers():  # the job cannot go on without its store (a leave in flight neither)
             return self._end_without_store()
+        if self.stopping or self._drained():
+            return None
         if self.restarts_left <= 0:
             logger.error("adaptive-run --live: worker %d failed with %d and no restarts are left", local_rank, code)
             self._kill_all()
@@ -309,10 +339,12 @@ class LiveAgent:
         self._start(local_rank)
         return None
 
-    def _worker_id(self, local_rank: int) -> int | None:
-        """The job's id of this node's worker ``local_rank`` (None before it joined)."""
-        wid = membership.read(self.job_store, live_protocol.worker_of_key(self.node, local_rank))
-        return None if wid is None else int(wid)
+    def _worker_id(self, local_rank: int, pid: int | None) -> int | None:
+        """The job's id of this node's worker ``local_rank``, process ``pid`` (None before it joined, or when the
+        record is an older worker's: it names another PID)."""
+        said = membership.read(self.job_store, live_protocol.worker_of_key(self.node, local_rank))
+        worker = None if said is None else live_protocol.WorkerOf.from_json(said)
+        return worker.wid if worker is not None and worker.pid == pid else None
 
     def _kill_hung(self) -> None:
         """Kill the workers that the job's other members took out as hung (they are started again as failed)."""
@@ -321,7 +353,7 @@ class LiveAgent:
             if worker is None or worker.pid is None or worker.poll() is not None:
                 continue
             try:
-                wid = self._worker_id(local_rank)
+                wid = self._worker_id(local_rank, worker.pid)
                 hung = wid is not None and \
                     membership.read(self.job_store, live_protocol.dead_key(wid)) == live_protocol.HUNG
             except (RuntimeError, OSError, ValueError) as error:
@@ -332,10 +364,11 @@ class LiveAgent:
                                "killing it", local_rank, worker.pid)
                 process_tree.kill_process_tree(worker.pid, include_root=True, timeout=5.0)
 
-    def _say_dead(self, local_rank: int) -> None:
-        """Tell the job's other members that this local rank's worker died (they stop waiting for it)."""
+    def _say_dead(self, local_rank: int, pid: int | None) -> None:
+        """Tell the job's other members that this local rank's worker, process ``pid``, died (they stop waiting
+        for it)."""
         try:
-            wid = self._worker_id(local_rank)
+            wid = self._worker_id(local_rank, pid)
             if wid is not None:
                 self.job_store.set(live_protocol.dead_key(wid), "1")
         except (RuntimeError, OSError, ValueError) as error:
@@ -388,14 +421,12 @@ class LiveAgent:
             time.sleep(0.1)
 
     def _others_alive(self) -> bool:
-        """Whether another agent of the job renewed its sign of life lately."""
+        """Whether another agent of the job renewed its sign of life lately (of the :data:`MAX_NODES` newest
+        node numbers: a counter raised by someone else costs at most that many reads)."""
         count = int(self.store.add(live_protocol.AGENTS_KEY, 0))
-        for node in range(1, count + 1):
-            key = live_protocol.agent_key(node)
-            if node == self.node or not self.store.check([key]):
-                continue
-            said = self.store.get(key).decode()
-            if said != "done" and time.time() - float(said) < membership.AGENT_STALE:
+        for node in range(max(1, count - MAX_NODES + 1), count + 1):
+            said = None if node == self.node else membership.read(self.agents, live_protocol.agent_key(node))
+            if said is not None and said != "done" and time.time() - float(said) < membership.AGENT_STALE:
                 return True
         return False
 
@@ -408,6 +439,10 @@ def run(args: Namespace, status_dir: str, warm: WarmStarter | None = None) -> in
     here, unless ``--cold-start``.
     """
     config = LiveConfig.from_args(args)
+    try:
+        live_store.warn_if_unsigned(config.host, config.port)  # reads the secret: a bad one ends the launcher here
+    except ValueError as error:
+        raise SystemExit(f"adaptive-run --live: {error}") from None
     if warm is None and not config.cold_start:
         warm = WarmStarter()  # it imports while the agent joins the job
     if warm is not None:

@@ -14,8 +14,14 @@ endpoint's machine hosts it (:func:`host_or_connect`), the others connect.
   before it starts a worker, with an error that names both, and ends with
   :data:`CONFIG_ERROR_EXIT_CODE` (a restart cannot fix it).
 
+* **Its records are signed** when the job has a secret
+  (``ADAPTIVE_LIVE_SECRET``, :mod:`adaptive.runtime.signed_records`); the
+  identity too, so a launcher given another secret is refused like a
+  launcher of another job.  Without one, a store on an address other
+  machines can reach is named in one warning (:func:`warn_if_unsigned`).
+
 What a process that reaches the port can do is described in
-``docs/live.md`` ("The job's store").
+``docs/live.md`` ("Who can write to the job's store").
 """
 
 from __future__ import annotations
@@ -23,16 +29,17 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import ipaddress
 import json
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     import torch.distributed
 
 __all__ = ["JobIdentity", "HostedStore", "host_or_connect", "claim_identity", "IDENTITY_KEY",
-           "CONFIG_ERROR_EXIT_CODE", "IdentityMismatch"]
+           "CONFIG_ERROR_EXIT_CODE", "IdentityMismatch", "warn_if_unsigned", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,17 +144,58 @@ def host_or_connect(host: str, port: int) -> HostedStore:
 
 
 def claim_identity(store: torch.distributed.Store, mine: JobIdentity) -> None:
-    """Write this job's identity on the store, or check that the job there is this one.
+    """Write this job's identity on the store, or check that the job there is this one (signed with the job's
+    secret when it has one: a launcher with another secret, or without one, is refused).
 
     Raises:
-        IdentityMismatch: the store serves another job (exit status :data:`CONFIG_ERROR_EXIT_CODE`).
+        IdentityMismatch: the store serves another job, or one with another secret (exit status
+            :data:`CONFIG_ERROR_EXIT_CODE`).
     """
-    held = store.compare_set(IDENTITY_KEY, "", mine.to_json())
-    theirs = JobIdentity.from_json(held)
+    from adaptive.runtime import env, signed_records
+
+    secret = env.live_secret()
+    record = mine.to_json() if secret is None else signed_records.sign(secret, IDENTITY_KEY, mine.to_json()).decode()
+    held = store.compare_set(IDENTITY_KEY, "", record)
+    text = held if secret is None else signed_records.verify(secret, IDENTITY_KEY, held)
+    if text is None or (secret is None and held.startswith(signed_records.MARK)):
+        what = "signs its records with a secret" if secret is None else "has records this launcher cannot " \
+            "authenticate (another secret)"
+        _refuse(f"the job on this --rdzv-endpoint {what}: give every launcher of the job the same "
+                f"{env.LIVE_SECRET_VAR} (or {env.LIVE_SECRET_FILE_VAR}), or this job its own endpoint")
+    theirs = JobIdentity.from_json(text)
     differences = mine.differences(theirs)
     if differences:
-        message = ("adaptive-run --live: the store on this --rdzv-endpoint serves another job (" +
-                   "; ".join(differences) + "); give this job its own endpoint (or the same --rdzv-id, "
-                   "script and arguments to join that one)")
-        logger.error("%s", message)
-        raise IdentityMismatch(CONFIG_ERROR_EXIT_CODE)
+        _refuse("the store on this --rdzv-endpoint serves another job (" + "; ".join(differences) + "); give this "
+                "job its own endpoint (or the same --rdzv-id, script and arguments to join that one)")
+
+
+def _refuse(why: str) -> NoReturn:
+    """Log ``why`` this launcher cannot join the job on the endpoint, and end it with 2.
+
+    Raises:
+        IdentityMismatch: always.
+    """
+    logger.error("adaptive-run --live: %s", why)
+    raise IdentityMismatch(CONFIG_ERROR_EXIT_CODE)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (no other machine reaches it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def warn_if_unsigned(host: str, port: int) -> None:
+    """Say once, at a launcher's start, that the job's records are not signed when its store listens on an
+    address other machines may reach (on loopback only this machine's processes reach it)."""
+    from adaptive.runtime import env
+
+    if env.live_secret() is not None or is_loopback(host):
+        return
+    logger.warning("adaptive-run --live: the job's store on %s:%d has no secret: any process that can reach that "
+                   "port can write the job's membership records (take members for dead, admit processes, drain "
+                   "nodes, end generations); set %s (or %s, a file) to the same secret for every launcher of the "
+                   "job", host, port, env.LIVE_SECRET_VAR, env.LIVE_SECRET_FILE_VAR)

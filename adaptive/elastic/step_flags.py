@@ -63,8 +63,6 @@ class StepFlags:
     leave: bool = dataclasses.field(default=False, metadata=_combine(Combine.ANY))
     #: Live mode: the drain requests rank 0 saw (nodes asked to leave before a planned stop).
     drains: int = dataclasses.field(default=0, metadata=_combine(Combine.ANY))
-    #: Live mode: an in-memory snapshot is due (rank 0's clock).
-    snapshot: bool = dataclasses.field(default=False, metadata=_combine(Combine.ANY))
 
     #: After :meth:`decode`: the ``SAME`` fields whose replicas disagreed, as (lowest, highest).
     mismatches: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict, compare=False, repr=False)

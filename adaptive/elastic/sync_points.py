@@ -29,8 +29,8 @@ loops delays it by its own duration.
 
 What each replica says is a :class:`~adaptive.elastic.step_flags.StepFlags`
 record (a stop, a due checkpoint, the spacing, the resumed checkpoint, the
-checkpoint folder's generation, and in live mode joins, leaves, drains and
-snapshots); the agreed stop itself, and the signals that ask for it, are
+checkpoint folder's generation, and in live mode joins, leaves and
+drains); the agreed stop itself, and the signals that ask for it, are
 :mod:`adaptive.elastic.stopping`.  If a peer died, the agreement itself
 fails: this replica then exits at once *without* writing, so the last
 complete checkpoint stays the newest.  Once a newer incarnation has taken
@@ -39,8 +39,8 @@ and writes nothing (:func:`adaptive.elastic.stopping.exit_stale`).
 
 In live mode (``adaptive-run --live``, :mod:`adaptive.elastic.live`) the
 agreement also carries the join and drain requests rank 0 saw, whether a
-member leaves (SIGTERM makes a member leave rather than stop the job) and
-whether an in-memory snapshot is due; a change is made at the boundary where it was
+member leaves (SIGTERM makes a member leave rather than stop the job); a
+change is made at the boundary where it was
 agreed, after the old generation acted on what it had agreed.  A lost peer
 at a loader's boundary is recorded on the step instead of ending the
 process, and the loader re-forms the members that are left.
@@ -75,7 +75,6 @@ __all__ = [
     "restart_spacing",
     "final_boundary",
     "forget_decisions",
-    "snapshot_agreed",
     "last_position",
 ]
 
@@ -89,8 +88,8 @@ MAX_SPACING = 1000
 #: The position of the loop in progress, for a checkpoint's manifest (epoch, step, loader, ...).
 Metadata = Callable[[], dict[str, Any]]
 #: The agreed fields that wait, once agreed, until they are acted on (a stop and a due checkpoint at the next
-#: agreement boundary, a membership change there too, a snapshot at the loader's next boundary).
-_CARRIED = ("stop", "checkpoint_due", "joins", "leave", "drains", "snapshot")
+#: agreement boundary, a membership change there too).
+_CARRIED = ("stop", "checkpoint_due", "joins", "leave", "drains")
 
 
 @dataclasses.dataclass
@@ -138,7 +137,7 @@ def _local_flags() -> StepFlags:
     return StepFlags(stop=stop_requested(), checkpoint_due=_checkpoint_due(), spacing=_proposed_spacing(),
                      resumed_seq=states.resumed_seq(), folder_generation=folder_generation,
                      newer_folder_generation=newer, joins=live.joins_seen(), leave=live.leave_requested(),
-                     drains=live.drains_seen(), snapshot=live.snapshot_due())
+                     drains=live.drains_seen())
 
 
 def _folder_generations() -> tuple[int, int]:
@@ -269,13 +268,6 @@ def forget_decisions() -> None:
     restart_spacing()
 
 
-def snapshot_agreed() -> bool:
-    """Live mode: whether the members agreed on an in-memory snapshot at this boundary (the flag is consumed)."""
-    decided = _agreement().decided
-    agreed, decided.snapshot = decided.snapshot, False
-    return agreed
-
-
 def _change_membership(metadata: Metadata) -> None:
     """Act on an agreed live membership change (see :mod:`adaptive.elastic.live`); every member calls it.
 
@@ -289,7 +281,7 @@ def _change_membership(metadata: Metadata) -> None:
         _act(metadata)  # what the old generation agreed is done by it: a joiner knows nothing of it
     decided = agreement.decided
     joins, drains = decided.joins, decided.drains
-    decided.joins, decided.leave, decided.drains, decided.snapshot = 0, False, 0, False
+    decided.joins, decided.leave, decided.drains = 0, False, 0
     try:
         outcome = live.change(joins, dict(metadata()), drains=drains)
     except collectives.CollectiveError as error:  # a member (or a joiner) was lost during the change

@@ -105,6 +105,7 @@ def _drain(args: argparse.Namespace) -> int:
 
     try:
         host, port = env.parse_endpoint("--endpoint", args.endpoint)
+        env.live_secret()  # a job with a secret signs its drain requests: a bad secret is an argument error
     except ValueError as error:
         print(f"adaptive drain: {error}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ read it (:func:`adaptive.runtime.step.current_step`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -44,7 +45,7 @@ from adaptive.batchsize.gns import GradientNoiseScale, MeasureInterval, check_me
 from adaptive.batchsize.scaling_rules import ScalingRule, make_scaling_rule
 from adaptive.batchsize.step_lr import StepLRFactor, lr_factor_of
 from adaptive.elastic import sync_points
-from adaptive.runtime import env, membership
+from adaptive.runtime import env, membership, step_commit
 from adaptive.runtime.job import current_job
 from adaptive.runtime.step import StepContext, current_step, faulted, stream
 from adaptive._utils.types import StateDict
@@ -132,6 +133,16 @@ class TrainingParts:
                 continue
             part.load_state_dict(state[key])
 
+    def live_copy(self) -> StateDict:
+        """Live mode: the parts copied at each committed step (:meth:`adaptive.checkpoint.states.State.live_copy`):
+        all of them are small; the weights and the optimizer state they go with are not copied."""
+        return copy.deepcopy(self.state_dict())
+
+    def restore_live_copy(self, saved: object) -> None:
+        """Go back to what :meth:`live_copy` returned."""
+        assert isinstance(saved, dict)
+        self.load_state_dict(copy.deepcopy(saved))
+
 
 # ---------------------------------------------------------------- the step, as the loader published it
 def is_accumulation_step() -> bool:
@@ -163,6 +174,17 @@ def _skip_during_accumulation(optimizer: torch.optim.Optimizer, method: str, ski
     setattr(optimizer, method, wrapper)
 
 
+def _skips_update() -> bool:
+    """Whether ``optimizer.step()`` does nothing now: a micro-step inside an accumulation, a step that lost a
+    peer, or, in a live job, a step not every member completed (the members agree on it first,
+    :mod:`adaptive.runtime.step_commit`)."""
+    if is_accumulation_step():
+        return True
+    if step_commit.is_voting():
+        return not step_commit.agree()
+    return faulted()
+
+
 def _count_optimizer_step() -> None:
     """An optimizer step ran (the loader tells a peek at a batch from a trained step by it)."""
     stream().optimizer_steps += 1
@@ -177,8 +199,7 @@ def wire_optimizer(optimizer: torch.optim.Optimizer, scaling_rule: ScalingRule, 
     """
     step_lr = StepLRFactor(lambda: lr_factor_of(current_step(), scaling_rule))
     step_lr.attach_around(optimizer, lambda: scaling_rule.attach(optimizer, gns))
-    _skip_during_accumulation(optimizer, "step", lambda: is_accumulation_step() or faulted(),
-                              ran=_count_optimizer_step)
+    _skip_during_accumulation(optimizer, "step", _skips_update, ran=_count_optimizer_step)
     _skip_during_accumulation(optimizer, "zero_grad", is_continuing_accumulation)
     return step_lr
 

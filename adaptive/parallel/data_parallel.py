@@ -24,6 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from adaptive._utils import torch_internals
+from adaptive._utils.types import StateDict
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import CheckpointError
 from adaptive.runtime import collectives, env, loss_watch, membership, peer_failure
@@ -58,6 +59,12 @@ class _AdaptiveDataParallelState(states.State):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.parts.load_state_dict(state)
+
+    def live_copy(self) -> StateDict:
+        return self.parts.live_copy()  # the weights and optimizer state: equal on every member (step commit)
+
+    def restore_live_copy(self, saved: object) -> None:
+        self.parts.restore_live_copy(saved)
 
 
 class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):

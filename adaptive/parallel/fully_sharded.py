@@ -115,6 +115,12 @@ class _FullyShardedState(states.ShardedState):
         self._saved_optimizer = bool(state["optimizer_started"])
         self.parts.load_state_dict(state)
 
+    def live_copy(self) -> StateDict:
+        return self.parts.live_copy()  # the shards: as the last committed step left them (step commit)
+
+    def restore_live_copy(self, saved: object) -> None:
+        self.parts.restore_live_copy(saved)
+
     def load_sharded_state_dict(self, read: Callable[[StateDict], StateDict]) -> None:
         """Read the shards this replica needs now (DCP reshards to the current mesh) and apply them."""
         if not self._saved_optimizer:

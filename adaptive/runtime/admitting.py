@@ -25,31 +25,47 @@ from adaptive.runtime.membership import JOINER_STALE, Poll, membership, publish,
 if TYPE_CHECKING:
     import torch.distributed
 
-__all__ = ["ADMISSION_TIMEOUT", "pending_joins", "close_generation", "await_arrivals", "abandon_admission"]
+__all__ = ["ADMISSION_TIMEOUT", "JOIN_WINDOW", "pending_joins", "close_generation", "await_arrivals",
+           "abandon_admission"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds rank 0 waits for the admitted joiners to arrive before it continues without them.
 ADMISSION_TIMEOUT = 5.0
+#: On a signed store: how many of the newest join requests rank 0 reads (a counter raised by someone without
+#: the job's secret costs it at most that many reads per agreement).
+JOIN_WINDOW = 64
 
 
 def pending_joins() -> int:
-    """How many processes asked the running generation to admit them (one store read)."""
+    """How many processes asked the running generation to admit them (one store read: the requests' counter).
+
+    On a signed store the counter is a hint only (anyone can add to it):
+    when it is not 0, the requests it points to are read, and only those
+    that pass authentication and still wait count.
+    """
+    from adaptive.runtime import signed_records
+
     record = membership()
     if record.store is None or record.generation is None:
         return 0
-    return int(record.store.add(record.generation.keys.joins, 0))
+    count = int(record.store.add(record.generation.keys.joins, 0))
+    if count == 0 or not signed_records.is_signed(record.store):
+        return count
+    return len(_requests(record.store, record.generation, count, say=False))
 
 
 def close_generation(survivors: list[int], joins: int) -> Generation:
     """On the generation's rank 0: publish the next generation (``survivors`` by worker id, then the first
     ``joins`` joiners still waiting) and close this one.  The other members learn it from rank 0."""
+    from adaptive.runtime import signed_records
+
     record = membership()
     assert record.store is not None and record.generation is not None
     store, current = record.store, record.generation
     kept = [member for member in current.members if member.wid in set(survivors)]
-    joiners = [Member.from_json(store.get(current.keys.join(i))) for i in range(1, joins + 1)
-               if _still_waiting(store, current, i)]
+    count = int(store.add(current.keys.joins, 0)) if signed_records.is_signed(store) else joins
+    joiners = _requests(store, current, count)[:joins]
     following = Generation(current.number + 1, tuple(kept + joiners), tuple(m.wid for m in joiners))
     publish(store, following)
     store.set(current.keys.next, following.to_json())
@@ -57,17 +73,31 @@ def close_generation(survivors: list[int], joins: int) -> Generation:
     return following
 
 
-def _still_waiting(store: torch.distributed.Store, current: Generation, position: int) -> bool:
-    """Whether join request ``position`` was renewed lately and its process was not reported dead."""
+def _requests(store: torch.distributed.Store, current: Generation, count: int, *, say: bool = True) -> list[Member]:
+    """The joiners of ``current``'s join requests 1 to ``count`` (on a signed store: the :data:`JOIN_WINDOW`
+    newest) that still wait; ``say``: log why a request is not admitted."""
+    from adaptive.runtime import signed_records
+
+    first = max(1, count - JOIN_WINDOW + 1) if signed_records.is_signed(store) else 1
+    found = (_waiting_joiner(store, current, position, say) for position in range(first, count + 1))
+    return [joiner for joiner in found if joiner is not None]
+
+
+def _waiting_joiner(store: torch.distributed.Store, current: Generation, position: int, say: bool) -> Member | None:
+    """The joiner of request ``position`` when it renewed its request lately and was not reported dead; else
+    None (a request that fails authentication is absent: :mod:`adaptive.runtime.signed_records` says so)."""
     said = read(store, current.keys.join_waiting(position))
-    if said is None or time.time() - float(said) > JOINER_STALE:
-        logger.warning("not admitting join request %d: its process stopped waiting (it died?)", position)
-        return False
-    asked = read(store, current.keys.join(position))
-    if asked is not None and store.check([dead_key(Member.from_json(asked).wid)]):
-        logger.warning("not admitting join request %d: its launcher reported its process dead", position)
-        return False
-    return True
+    asked = None if said is None else read(store, current.keys.join(position))
+    if said is None or asked is None or time.time() - float(said) > JOINER_STALE:
+        if say:
+            logger.warning("not admitting join request %d: its process stopped waiting (it died?)", position)
+        return None
+    joiner = Member.from_json(asked)
+    if store.check([dead_key(joiner.wid)]):
+        if say:
+            logger.warning("not admitting join request %d: its launcher reported its process dead", position)
+        return None
+    return joiner
 
 
 def await_arrivals(following: Generation, timeout: float = ADMISSION_TIMEOUT) -> bool:

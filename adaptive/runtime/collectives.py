@@ -88,6 +88,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     delta = datetime.timedelta(seconds=seconds)
     groups = _groups()
+    peer_failure.install()  # a peer's death (or the live store's, while joining) ends the script with one line
     if not dist.is_initialized():
         groups.timeout = seconds
         if backend == "nccl" and torch.cuda.is_available():
@@ -105,7 +106,6 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         logger.debug("process group ready: backend=%s rank=%d world=%d", backend, env.rank(), env.num_replicas())
         groups.owns_default_group = True
     launch_status.clear_earlier_reports()
-    peer_failure.install()  # a peer's death ends the script with one line, not a backend traceback
     if groups.control is None:
         _make_side_groups(delta)
         _register_teardown()

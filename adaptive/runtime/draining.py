@@ -14,6 +14,9 @@ the boundary where that was agreed every member of a drained node leaves,
 with nothing lost, while the others go on
 (:func:`adaptive.elastic.live.change`).  The node's launcher then ends with
 143, as after a stop, without starting its workers again.
+
+With a secret the requests are signed records (``adaptive drain`` signs
+with the same ``ADAPTIVE_LIVE_SECRET``): a forged one drains nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +47,22 @@ def request_drain(store: torch.distributed.Store, node: int) -> None:
 
 
 def pending_drains(store: torch.distributed.Store) -> int:
-    """How many drain requests the members have not served yet (one store read, on rank 0 at each agreement)."""
-    return int(store.add(DRAINS_PENDING_KEY, 0))
+    """How many drain requests the members have not served yet (one store read, on rank 0 at each agreement).
+
+    On a signed store the count is a hint only (anyone can add to it): when
+    it is not 0, the drain requests of this generation's nodes are read, and
+    those that pass authentication count.
+    """
+    from adaptive.runtime import signed_records
+    from adaptive.runtime.membership import membership
+
+    count = int(store.add(DRAINS_PENDING_KEY, 0))
+    if count == 0 or not signed_records.is_signed(store):
+        return count
+    generation = membership().generation
+    if generation is None:
+        return 0
+    return sum(1 for node in sorted({m.node for m in generation.members}) if is_drained(store, node))
 
 
 def is_drained(store: torch.distributed.Store, node: int) -> bool:

@@ -37,6 +37,9 @@ Variables of our own:
     Optimizer steps between metrics records (default 10; 0 turns them off).
 ``ADAPTIVE_SUPERVISOR_URL``, ``ADAPTIVE_SUPERVISOR_TOKEN``
     Where rank 0 posts its scheduler hints, and the token it posts with.
+``ADAPTIVE_LIVE_SECRET``, ``ADAPTIVE_LIVE_SECRET_FILE``
+    Live mode: the job's secret (or a file holding it), which signs its
+    membership records on the job's store (:func:`live_secret`).
 
 Every variable the library reads is read here, and only here.
 """
@@ -67,10 +70,15 @@ __all__ = [
     "torchelastic_restart_count",
     "progress_interval",
     "live_hang_timeout",
+    "live_recovery",
+    "LIVE_RECOVERIES",
     "live_store",
     "live_node",
     "live_size_bounds",
-    "live_snapshot_interval",
+    "live_secret",
+    "LIVE_SECRET_VAR",
+    "LIVE_SECRET_FILE_VAR",
+    "LIVE_SECRET_MIN_LENGTH",
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_LIVE_HANG_TIMEOUT",
@@ -97,6 +105,10 @@ DEFAULT_LIVE_HANG_TIMEOUT = 10.0
 #: Live mode: the variables ``adaptive-run --live`` sets for its workers (the store, the node, the size bounds).
 LIVE_STORE_VAR, LIVE_NODE_VAR = "ADAPTIVE_LIVE_STORE", "ADAPTIVE_LIVE_NODE"
 LIVE_MIN_VAR, LIVE_MAX_VAR = "ADAPTIVE_LIVE_MIN", "ADAPTIVE_LIVE_MAX"
+#: Live mode: the job's secret, or the file that holds it (:func:`live_secret`).
+LIVE_SECRET_VAR, LIVE_SECRET_FILE_VAR = "ADAPTIVE_LIVE_SECRET", "ADAPTIVE_LIVE_SECRET_FILE"
+#: The fewest characters a live job's secret may have.
+LIVE_SECRET_MIN_LENGTH = 16
 #: The folder where a launcher's workers report how they stopped (:mod:`adaptive.runtime.launch_status`).
 STATUS_DIR_VAR = "ADAPTIVE_STOP_STATUS_DIR"
 #: The process a launcher's children die with (:mod:`adaptive.runtime.process_tree`).
@@ -287,6 +299,22 @@ def collective_timeout() -> float:
     return value
 
 
+#: Live mode: what a live job does when a member is lost (``ADAPTIVE_LIVE_RECOVERY``).
+LIVE_RECOVERIES = ("memory", "restart")
+
+
+def live_recovery() -> str:
+    """Live mode: what the members that are left do when a member is lost (``ADAPTIVE_LIVE_RECOVERY``):
+    ``"memory"`` (the default) re-forms without it and trains on from the last committed step, at the cost of a
+    vote on the job's store before every optimizer step; ``"restart"`` skips the votes and restarts every
+    member from the checkpoint on disk instead (joins and leaves stay live)."""
+    value = os.environ.get("ADAPTIVE_LIVE_RECOVERY") or "memory"
+    if value not in LIVE_RECOVERIES:
+        raise ValueError(f"environment variable ADAPTIVE_LIVE_RECOVERY={value!r} must be one of "
+                         f"{', '.join(LIVE_RECOVERIES)}")
+    return value
+
+
 def live_hang_timeout() -> float:
     """Live mode: seconds a member may give no sign of life before the others take it out as hung
     (``ADAPTIVE_LIVE_HANG_TIMEOUT``, default 10; at least 1)."""
@@ -322,10 +350,34 @@ def live_size_bounds() -> tuple[int, int]:
     return smallest, max(smallest, _int_var(LIVE_MAX_VAR, smallest, minimum=1))
 
 
-def live_snapshot_interval() -> float:
-    """Live mode: seconds between the in-memory snapshots a lost member sends the others back to
-    (``ADAPTIVE_LIVE_SNAPSHOT_INTERVAL``, default 2; 0 turns them off)."""
-    return _float_var("ADAPTIVE_LIVE_SNAPSHOT_INTERVAL", 2.0)
+def live_secret() -> bytes | None:
+    """Live mode: the job's secret, which signs its membership records on the job's store
+    (``ADAPTIVE_LIVE_SECRET``, else the contents of the file named by ``ADAPTIVE_LIVE_SECRET_FILE`` without
+    its trailing newline); None when neither is set (the records are not signed).
+
+    Raises:
+        ValueError: both variables are set, the file cannot be read, or the secret is shorter than
+            :data:`LIVE_SECRET_MIN_LENGTH` characters.
+    """
+    given, path = os.environ.get(LIVE_SECRET_VAR) or "", os.environ.get(LIVE_SECRET_FILE_VAR) or ""
+    if given and path:
+        raise ValueError(f"environment variables {LIVE_SECRET_VAR} and {LIVE_SECRET_FILE_VAR} are both set; "
+                         "set one of them")
+    if not given and not path:
+        return None
+    name = LIVE_SECRET_VAR
+    if path:
+        name = f"the file {path!r} named by {LIVE_SECRET_FILE_VAR}"
+        try:
+            with open(path, encoding="utf-8") as file:
+                given = file.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"environment variable {LIVE_SECRET_FILE_VAR}={path!r}: cannot read the secret "
+                             f"({error})") from None
+    if len(given) < LIVE_SECRET_MIN_LENGTH:
+        raise ValueError(f"{name} must hold a secret of at least {LIVE_SECRET_MIN_LENGTH} characters, got "
+                         f"{len(given)} (make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
+    return given.encode()
 
 
 def progress_interval() -> float:

@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["Member", "Generation", "GenerationState", "GenerationKeys", "CURRENT_KEY", "WORKERS_KEY", "AGENTS_KEY",
            "DRAINS_PENDING_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
-           "beat_key", "drain_key", "HUNG"]
+           "beat_key", "drain_key", "HUNG", "WorkerOf", "worker_claim_key", "agent_claim_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +111,47 @@ def agent_key(node: int) -> str:
 
 
 def worker_of_key(node: int, local_rank: int) -> str:
-    """The key (in the job's keys) that holds the worker id of a launcher's local rank."""
+    """The key (in the job's keys) that holds the worker id of a launcher's local rank (:class:`WorkerOf`)."""
     return f"worker_of/{node}/{local_rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOf:
+    """What :func:`worker_of_key` holds: the worker id a launcher's local rank took, and the PID of the process
+    that took it (its launcher believes only a record of the process it runs now, not an older one)."""
+
+    wid: int
+    pid: int
+
+    def to_json(self) -> str:
+        return json.dumps({"wid": self.wid, "pid": self.pid})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerOf:
+        data = json.loads(text)
+        return cls(int(data["wid"]), int(data["pid"]))
+
+
+def worker_claim_key(wid: int) -> str:
+    """The key (in the job's keys) by which a worker claims id ``wid`` (a signed job only: its counter cannot be
+    signed, so two workers handed one id by a forged counter must not both take it)."""
+    return f"worker/{wid}"
+
+
+def agent_claim_key(node: int) -> str:
+    """The key (on the launchers' store) by which a launcher claims node number ``node`` (a signed job only)."""
+    return f"adaptive/live-agents/claim/{node}"
 
 
 def dead_key(wid: int) -> str:
     """The key (in the job's keys) by which a launcher says that worker ``wid`` died (or the others that it hung)."""
     return f"dead/{wid}"
+
+
+def private_key(wid: int) -> str:
+    """The key (in the job's keys) of what worker ``wid`` alone holds of the states, at its last committed step
+    (:mod:`adaptive.checkpoint.private_parts`)."""
+    return f"private/{wid}"
 
 
 #: The count of drain requests posted to the job and not served yet by its members (:mod:`.draining`).
@@ -201,3 +235,14 @@ class GenerationKeys:
     @property
     def after_loss(self) -> str:
         return self._key("after_loss")  # the first proposal of the members that are left (compare_set)
+
+    # the step commit (:mod:`adaptive.runtime.step_commit`)
+    @property
+    def commit_votes(self) -> str:
+        return self._key("commit", "votes")  # a counter: every member adds 1 per step it can apply
+
+    def commit_vote(self, slot: int, wid: int) -> str:
+        return self._key("commit", "vote", slot, wid)  # a signed job: the vote number a member cast (str)
+
+    def commit_decision(self, slot: int) -> str:
+        return self._key("commit", "decision", slot)  # "<vote>:commit" or "<vote>:abort" (compare_set)

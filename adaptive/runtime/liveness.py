@@ -15,6 +15,13 @@ never compared).  A counter that has not changed for the hang timeout
 belongs to a hung member: :mod:`adaptive.runtime.membership` then takes it
 out of the job like a lost one.  A process whose beating thread still runs
 while its main thread is deadlocked is not detected this way.
+
+The counters cannot be signed (the store adds in place).  Whoever adds to
+one (a forged increment) makes its member look alive: that can only delay
+the finding of a hung member, until the collective timeout ends the wait.
+Only a counter that stops moving takes a member out, and an add cannot
+make it stop (whoever can *overwrite* it, again and again, can: see
+``docs/live.md``, "Who can write to the job's store").
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -76,14 +84,15 @@ class Beat:
 
 
 class Watch:
-    """When this process last saw each member's counter change, by its own monotonic clock."""
+    """When this process last saw each member's counter (or a launcher's sign of life) change, by its own
+    monotonic clock."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._seen: dict[str, tuple[Hashable, float]] = {}
         self._lock = threading.Lock()
 
-    def silent_for(self, key: str, value: int, now: float | None = None) -> float:
-        """Record that counter ``key`` reads ``value``; seconds it has read that since this process saw it change
+    def silent_for(self, key: str, value: Hashable, now: float | None = None) -> float:
+        """Record that ``key`` reads ``value``; seconds it has read that since this process saw it change
         (0 on the first look)."""
         now = time.monotonic() if now is None else now
         with self._lock:

@@ -34,6 +34,13 @@ saw a peer die and the restart path took over: :func:`mark_failed`), or
 ``ended`` (training finished or every member stopped); a process waiting for
 admission into one that failed or ended forms the next one instead.
 
+When the job has a secret (``ADAPTIVE_LIVE_SECRET``), every record is
+signed and verified (:func:`job_store`, :mod:`adaptive.runtime.signed_records`):
+a forged one is ignored.  Counters cannot be signed; each use of one here
+decides on signed records only (worker ids are claimed, a formation's
+members are written once, a launcher's stale sign of life must also stay
+unchanged while a process looks).
+
 The process group of a generation is built by
 :func:`adaptive.runtime.collectives.init_process_group` (formation and
 admission) and :func:`adaptive.runtime.collectives.regroup` (survivors).
@@ -47,13 +54,16 @@ import atexit
 import dataclasses
 import datetime
 import logging
+import os
+import secrets
 import time
 from typing import TYPE_CHECKING, Callable
 
 from adaptive.runtime import env, liveness
 from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.runtime.live_protocol import (CURRENT_KEY, WORKERS_KEY, Generation, GenerationKeys, GenerationState,
-                                            Member, agent_key, beat_key, dead_key, job_prefix, worker_of_key)
+                                            Member, WorkerOf, agent_key, beat_key, dead_key, job_prefix,
+                                            worker_claim_key, worker_of_key)
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -61,7 +71,7 @@ if TYPE_CHECKING:
 __all__ = ["LAST_CALL", "AGENT_STALE", "MEET_TIMEOUT", "Membership", "is_live", "is_awaiting_admission", "is_member",
            "membership", "generation_number", "join", "enter", "mark_failed", "mark_ended", "on_regroup",
            "notify_regroup", "generation_store", "group_formed", "members_env", "job_store", "read", "publish",
-           "is_dead", "silent_for", "Poll"]
+           "is_dead", "silent_for", "Poll", "connect", "agents_store", "AGENT_UNCHANGED", "CLAIM_ATTEMPTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +85,11 @@ FIRST_POLL, POLL = 0.001, 0.01
 JOINER_STALE = 2.0
 #: A launcher whose sign of life is older than this many seconds is taken for lost, with its workers.
 AGENT_STALE = 5.0
+#: In a signed job, seconds a launcher's stale sign of life must stay unchanged, while a process looks, before
+#: its node is taken for lost (:func:`is_dead`).
+AGENT_UNCHANGED = 1.0
+#: Ids (worker or node numbers) a process tries to claim before it gives up (a counter being set back).
+CLAIM_ATTEMPTS = 100
 #: Seconds the members of a new generation wait for each other before they build its group
 #: (:func:`adaptive.runtime.reforming.meet`), and the longest its group's rendezvous may take once they met.
 MEET_TIMEOUT = 10.0
@@ -132,7 +147,7 @@ def generation_number() -> int | None:
 
 
 # ---------------------------------------------------------------- the store
-def _client(timeout: float) -> torch.distributed.Store:
+def connect(timeout: float) -> torch.distributed.Store:
     """A new connection to the launchers' store, whose blocking calls give up after ``timeout`` seconds."""
     import torch.distributed as dist
 
@@ -142,18 +157,34 @@ def _client(timeout: float) -> torch.distributed.Store:
                          wait_for_workers=False)
 
 
-def job_store(store: torch.distributed.Store, job_id: str) -> torch.distributed.Store:
-    """The keys of job ``job_id`` on the launchers' ``store`` (the workers' and the launchers' view alike)."""
+def job_store(store: torch.distributed.Store, job_id: str, *, signed: bool = True) -> torch.distributed.Store:
+    """The keys of job ``job_id`` on the launchers' ``store`` (the workers' and the launchers' view alike).
+
+    When the job has a secret their records are signed and verified
+    (:mod:`adaptive.runtime.signed_records`), unless ``signed=False``: the
+    process groups' rendezvous, whose keys torch writes.
+    """
     import torch.distributed as dist
 
-    return dist.PrefixStore(job_prefix(job_id), store)
+    from adaptive.runtime import signed_records
+
+    keys = dist.PrefixStore(job_prefix(job_id), store)
+    return signed_records.wrap(keys, job_prefix(job_id)) if signed else keys
+
+
+def agents_store(store: torch.distributed.Store) -> torch.distributed.Store:
+    """The launchers' own records on their ``store`` (their signs of life), signed like the job's."""
+    from adaptive.runtime import signed_records
+
+    return signed_records.wrap(store)
 
 
 def read(store: torch.distributed.Store, key: str) -> str | None:
-    """The value of ``key``, None when absent (never blocks)."""
-    if not store.check([key]):
-        return None
-    return store.get(key).decode()
+    """The value of ``key``, None when absent, or when it fails authentication on a signed store (never
+    blocks)."""
+    from adaptive.runtime import signed_records
+
+    return signed_records.read(store, key)
 
 
 class Poll:
@@ -180,8 +211,9 @@ def generation_store(number: int) -> torch.distributed.Store:
 
     record = membership()
     assert record.store is not None, "join() first"
-    record.group_client = _client(MEET_TIMEOUT)
-    return dist.PrefixStore(GenerationKeys(number).group_prefix, job_store(record.group_client, env.job_id()))
+    record.group_client = connect(MEET_TIMEOUT)
+    return dist.PrefixStore(GenerationKeys(number).group_prefix,
+                            job_store(record.group_client, env.job_id(), signed=False))
 
 
 def group_formed(timeout: float) -> None:
@@ -218,10 +250,29 @@ def is_dead(member: Member, agent_stale: float = AGENT_STALE) -> bool:
     if member.wid != record.wid and silent_for(member) >= env.live_hang_timeout():
         return True
     agents = record.agents
-    if agents is None or not agents.check([agent_key(member.node)]):
+    said = None if agents is None else read(agents, agent_key(member.node))
+    if agents is None or said is None:
         return False
-    said = agents.get(agent_key(member.node)).decode()
-    return said == "done" or time.time() - float(said) > agent_stale
+    if said == "done":
+        return True
+    if time.time() - float(said) <= agent_stale:
+        return False
+    return _unchanged(agents, agent_key(member.node), said)
+
+
+def _unchanged(agents: torch.distributed.Store, key: str, said: str) -> bool:
+    """Whether a launcher's stale sign of life ``said`` stayed as it is while this process looked, for
+    :data:`AGENT_UNCHANGED` seconds (a signed job only; else at once).
+
+    A signed sign of life cannot be forged, but an old one of the same
+    launcher can be written back by whoever reads the store: a launcher
+    that lives overwrites it within half a second.
+    """
+    from adaptive.runtime import signed_records
+
+    if not signed_records.is_signed(agents):
+        return True
+    return membership().watch.silent_for(key, said) >= AGENT_UNCHANGED
 
 
 # ---------------------------------------------------------------- becoming a member
@@ -242,12 +293,13 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
     if record.generation is not None:
         return record.generation
     if record.store is None:
-        record.agents = _client(timeout)
-        record.store = job_store(record.agents, env.job_id())
-        record.wid = int(record.store.add(WORKERS_KEY, 1))
+        client = connect(timeout)
+        record.agents, record.store = agents_store(client), job_store(client, env.job_id())
+        record.wid = _worker_id(record.store)
         _start_beating(record.wid)
         # so that this worker's launcher can say which worker died (worker_of_key)
-        record.store.set(worker_of_key(env.live_node(), env.local_rank()), str(record.wid))
+        record.store.set(worker_of_key(env.live_node(), env.local_rank()),
+                         WorkerOf(record.wid, os.getpid()).to_json())
     store, me = record.store, record.me()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -267,10 +319,31 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
     raise TimeoutError(f"no generation of the live job took worker {me.wid} within {timeout:.0f} s")
 
 
+def _worker_id(store: torch.distributed.Store) -> int:
+    """A new worker id: the next of the job's counter.  On a signed store the id is also claimed with a signed
+    record, and one that another worker claimed is skipped: the counter cannot be signed, and one set back by
+    someone without the secret would otherwise hand an id out twice.
+
+    Raises:
+        RuntimeError: :data:`CLAIM_ATTEMPTS` ids in a row were claimed already.
+    """
+    from adaptive.runtime import signed_records
+
+    if not signed_records.is_signed(store):
+        return int(store.add(WORKERS_KEY, 1))
+    token = f"{os.getpid()}/{secrets.token_hex(8)}"
+    for _ in range(CLAIM_ATTEMPTS):
+        wid = int(store.add(WORKERS_KEY, 1))
+        if store.compare_set(worker_claim_key(wid), "", token).decode() == token:
+            return wid
+    raise RuntimeError(f"no free worker id after {CLAIM_ATTEMPTS} tries: the live job's counter {WORKERS_KEY!r} "
+                       "keeps handing out ids that other workers hold (it is being set back)")
+
+
 def _start_beating(wid: int) -> None:
     record = membership()
     if record.beat is None:
-        record.beat = liveness.Beat(lambda: job_store(_client(liveness.BEAT_INTERVAL * 4), env.job_id()),
+        record.beat = liveness.Beat(lambda: job_store(connect(liveness.BEAT_INTERVAL * 4), env.job_id()),
                                     beat_key(wid))
         record.beat.start()
         atexit.register(record.beat.stop)  # before the interpreter's teardown, not inside a store call
@@ -316,18 +389,53 @@ def _close_formation(store: torch.distributed.Store, keys: GenerationKeys, deadl
             break
         poll.sleep()
     count = min(int(store.add(keys.candidates, 0)), largest)
-    members = sorted((Member.from_json(store.get(keys.candidate(i))) for i in range(1, count + 1)),
-                     key=lambda m: (m.node, m.local, m.wid))
-    publish(store, Generation(keys.number, tuple(members)))
+    members = sorted(_candidates(store, keys, count), key=lambda m: (m.node, m.local, m.wid))
+    formed = Generation(keys.number, tuple(members))
+    if not _first_to_close(store, formed):
+        return
+    publish(store, formed)
     logger.debug("formed generation %d with %d members from disk", keys.number, len(members))
+
+
+def _candidates(store: torch.distributed.Store, keys: GenerationKeys, count: int) -> list[Member]:
+    """The candidates registered at positions 1 to ``count``.
+
+    On a signed store each is read without blocking, waiting at most
+    :data:`MEET_TIMEOUT` in all for records not written yet: a position
+    whose record never passes authentication (the counter was raised by
+    someone without the secret) is left out rather than waited for.
+    """
+    from adaptive.runtime import signed_records
+
+    if not signed_records.is_signed(store):
+        return [Member.from_json(store.get(keys.candidate(i))) for i in range(1, count + 1)]
+    found, until = [], time.monotonic() + MEET_TIMEOUT
+    for position in range(1, count + 1):
+        text, poll = read(store, keys.candidate(position)), Poll()
+        while text is None and time.monotonic() < until:
+            poll.sleep()
+            text = read(store, keys.candidate(position))
+        if text is not None:
+            found.append(Member.from_json(text))
+    return found
+
+
+def _first_to_close(store: torch.distributed.Store, formed: Generation) -> bool:
+    """Whether this candidate's ``formed`` generation stands (a signed store: the first written wins, in case a
+    counter set back gave two candidates the first position); always on an unsigned one."""
+    from adaptive.runtime import signed_records
+
+    if not signed_records.is_signed(store):
+        return True
+    return store.compare_set(formed.keys.members, "", formed.to_json()).decode() == formed.to_json()
 
 
 def _ask(store: torch.distributed.Store, number: int, me: Member, deadline: float) -> Generation | None:
     """Ask running generation ``number`` to admit this process; the next generation, or None to look again."""
     keys = GenerationKeys(number)
     position = int(store.add(keys.joins, 1))
+    store.set(keys.join(position), me.to_json())  # before it says it waits: rank 0 reads them in that order
     store.set(keys.join_waiting(position), repr(time.time()))
-    store.set(keys.join(position), me.to_json())
     logger.info("worker %d asks the running generation %d to admit it", me.wid, number)
     said = time.monotonic()
     poll = Poll()

@@ -87,10 +87,26 @@ def report(error: BaseException) -> None:
     """Log the one line (ERROR) and keep the traceback (DEBUG) for a peer failure that ends this process."""
     current_job().exiting = True  # not a deliberate break out of the epoch loop
     membership.mark_failed()  # live mode: whoever waits to join this generation forms the next one
-    logger.error("rank %d: a peer replica failed (%s); exiting without writing a checkpoint so that the "
-                 "last complete one (in %s) stays the newest%s", env.rank(), _cause(error), env.checkpoint_path(),
-                 _LIVE_RESTART if membership.is_live() else "")
+    if membership.is_live() and _is_store_loss(error):
+        logger.error("rank %d: the live job's store does not answer (%s: the node that hosted it was lost?); "
+                     "exiting without writing a checkpoint, and this node's launcher ends with 75 so that a "
+                     "relaunch resumes from the last complete one (in %s)", env.rank(), _cause(error),
+                     env.checkpoint_path())
+    else:
+        logger.error("rank %d: a peer replica failed (%s); exiting without writing a checkpoint so that the "
+                     "last complete one (in %s) stays the newest%s", env.rank(), _cause(error),
+                     env.checkpoint_path(), _LIVE_RESTART if membership.is_live() else "")
     logger.debug("the failed collective", exc_info=(type(error), error, error.__traceback__))
+
+
+def _is_store_loss(error: BaseException) -> bool:
+    """Whether ``error`` is a call to the store that failed on its connection (TCPStore raises
+    ``DistNetworkError``; a collective's broken peer is a ``DistBackendError`` or gloo's ``RuntimeError``)."""
+    try:
+        from torch.distributed import DistNetworkError
+    except ImportError:  # older torch
+        return False
+    return isinstance(error, DistNetworkError)
 
 
 def _cause(error: BaseException) -> str:
@@ -111,8 +127,13 @@ def _hook(kind: type[BaseException], error: BaseException, trace: TracebackType 
 
 
 def install() -> None:
-    """Report peer failures that end the script as one line (idempotent; chains to the previous hook)."""
-    if sys.excepthook is _hook:
+    """Report peer failures that end the script as one line (once per process; chains to the previous hook).
+
+    Once: ``torch.distributed.init_process_group`` (every live regroup calls
+    it) wraps the excepthook it finds, ours included, so installing again
+    would make ours chain to a hook that calls ours (a recursion).
+    """
+    if sys.excepthook is _hook or "previous" in _installed:
         return
     _installed["previous"] = sys.excepthook
     sys.excepthook = _hook

@@ -16,6 +16,10 @@ timeout, and the first proposal written wins.  Before the members of a new
 generation build its group they meet on the store (:func:`meet`), so that a
 member lost after the generation was agreed is found within seconds instead
 of leaving the others in the group's rendezvous.
+
+With a secret every record read here is verified
+(:mod:`adaptive.runtime.signed_records`): a forged ``lost``, ``dead``,
+``alive``, ``here`` or proposal is ignored and changes nothing.
 """
 
 from __future__ import annotations
@@ -109,8 +113,10 @@ def reform_after_loss(timeout: float) -> Generation | None:
         if not undecided or time.monotonic() > deadline:
             break
         poll.sleep()
-    # A change may have planned the next generation already (the loss came during it): the numbers go on.
-    proposal = Generation(int(read(store, CURRENT_KEY) or current.number) + 1, tuple(alive))
+    # A change may have planned the next generation already (the loss came during it): the numbers go on.  Never
+    # below this one's: an older number written back on the store (it verifies: the job wrote it) must not make
+    # the members reuse a generation's keys.
+    proposal = Generation(max(int(read(store, CURRENT_KEY) or 0), current.number) + 1, tuple(alive))
     agreed = Generation.from_json(store.compare_set(keys.after_loss, "", proposal.to_json()))
     planned = read(store, keys.next)
     if planned is not None and Generation.from_json(planned).number != agreed.number:

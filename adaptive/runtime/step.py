@@ -32,7 +32,8 @@ import dataclasses
 
 from adaptive.runtime.job import current_job
 
-__all__ = ["StepContext", "StepStream", "current_step", "loop_running", "stream", "record_fault", "faulted"]
+__all__ = ["StepContext", "StepStream", "current_step", "loop_running", "stream", "begin_step", "record_fault",
+           "faulted", "discarded"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,11 @@ class StepStream:
     #: Live mode: a collective of the step in flight failed (a peer was lost); the step is discarded, and
     #: until the members re-form nothing more goes over the group (:func:`record_fault`).
     fault: BaseException | None = None
+    #: Live mode: an update of the step in flight was agreed on and applied by every member
+    #: (:mod:`adaptive.runtime.step_commit`); the step counts as trained even when a member is lost after it.
+    step_committed: bool = False
+    #: Live mode: an update of the step in flight was agreed against (applied by no member).
+    step_aborted: bool = False
 
 
 def stream() -> StepStream:
@@ -95,6 +101,12 @@ def loop_running() -> bool:
     return current_job().part(StepStream).loop is not None
 
 
+def begin_step() -> None:
+    """A loader step begins: no update of it was agreed on yet."""
+    steps = stream()
+    steps.step_committed = steps.step_aborted = False
+
+
 def record_fault(error: BaseException) -> None:
     """Live mode: a collective of the step in flight failed; the step will be discarded (the first error is kept)."""
     steps = stream()
@@ -105,3 +117,11 @@ def record_fault(error: BaseException) -> None:
 def faulted() -> bool:
     """Whether the step in flight lost a peer (live mode): skip its optimizer step and further collectives."""
     return current_job().part(StepStream).fault is not None
+
+
+def discarded() -> bool:
+    """Whether the step in flight is discarded and trained again (live mode): it lost a peer before every member
+    applied its update.  A step whose update every member applied counts as trained, even when a peer is lost
+    after it (:mod:`adaptive.runtime.step_commit`)."""
+    steps = current_job().part(StepStream)
+    return steps.fault is not None and not steps.step_committed

@@ -32,10 +32,26 @@ def build():
     return model, torch.optim.Adam(model.parameters(), lr=1e-4), data
 
 
-def log_step(handle, generation, gns_interval=None):
+def log_step(handle, generation, gns_interval=None, step=None, discarded=False):
     handle.write(json.dumps({"time": time.time(), "world": dist.get_world_size(), "generation": generation,
-                             "gns_interval": gns_interval}) + "\n")
+                             "gns_interval": gns_interval, "step": step, "discarded": discarded}) + "\n")
     handle.flush()
+
+
+def record_copy_sizes() -> None:
+    """Bytes a member keeps in memory for a lost peer: a copy of every state (what the in-memory snapshots of
+    earlier versions held, model and optimizer included) against the live copies kept after each committed step
+    (``State.live_copy``; with a library from before the step commit, for a before/after run, the snapshot
+    itself), both as pickled bytes (``memory.<pid>.json``)."""
+    import pickle
+
+    from adaptive.checkpoint import states
+
+    registered = states.registered_states()
+    whole = sum(len(pickle.dumps(state.state_dict())) for state in registered)
+    live = sum(len(pickle.dumps(getattr(state, "live_copy", state.state_dict)())) for state in registered)
+    with open(os.path.join(OUT, f"memory.{os.getpid()}.json"), "w") as handle:
+        json.dump({"whole state copy": whole, "live copies": live}, handle)
 
 
 def plain() -> None:
@@ -63,6 +79,10 @@ def plain() -> None:
 def adaptive_job() -> None:
     import adaptive
     from adaptive.runtime import membership
+    from adaptive.runtime import step as step_records
+
+    # (a library from before the step commit, for a before/after run: every step that lost a peer was discarded)
+    discarded = getattr(step_records, "discarded", step_records.faulted)
 
     adaptive.init_process_group("gloo")
     model, optimizer, data = build()
@@ -84,8 +104,11 @@ def adaptive_job() -> None:
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                log_step(handle, membership.generation_number(), model.gns.measure_interval)
+                log_step(handle, membership.generation_number(), model.gns.measure_interval, loader.step,
+                         discarded())
                 steps += 1
+                if steps == 50:
+                    record_copy_sizes()
                 if steps >= STEPS:
                     adaptive.finish_training()
                     break

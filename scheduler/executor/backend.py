@@ -5,6 +5,14 @@ The executor decides *what* runs with how many replicas; a backend knows
 starts processes on this machine; a Kubernetes backend would create and
 delete pods behind the same four methods, without any change to the
 executor or the policy.
+
+What an incarnation's exit status means to the executor (and to any
+supervisor of ``adaptive-run``: Kubernetes, Slurm; see docs/live.md, "Exit
+statuses"): 0 done; 143 stopped gracefully (checkpointed, or drained);
+:data:`STORE_LOST_EXIT` / :data:`LOST_NODE_EXIT` (75) relaunch now, it
+resumes from its checkpoint (an infrastructure failure, not the job's);
+:data:`CONFIG_ERROR_EXIT` (2) a usage or configuration error: do not
+relaunch; 3 fenced by a newer incarnation; anything else a crash.
 """
 
 from __future__ import annotations
@@ -20,6 +28,18 @@ from scheduler.executor.jobspec import JobSpec
 
 #: Exit status of an incarnation that a lost node (or its lost actor) ended: an infrastructure failure.
 LOST_NODE_EXIT = 75
+#: Exit status of a live launcher whose job's store was lost with the node that hosted it
+#: (``adaptive.elastic.live_agent.STORE_LOST_EXIT_CODE``): relaunch the job's nodes, it resumes from its newest
+#: checkpoint. The same number as :data:`LOST_NODE_EXIT` (sysexits' ``EX_TEMPFAIL``), read the same way: an
+#: infrastructure failure, relaunched at once and not charged to ``max_failures``.
+STORE_LOST_EXIT = LOST_NODE_EXIT
+#: Exit status of a launcher (or a worker) that a relaunch cannot help: a usage or configuration error (a bad
+#: argument, a checkpoint folder that cannot be created, a store that serves another job). Not relaunched.
+CONFIG_ERROR_EXIT = 2
+#: Exit status of an incarnation that stopped gracefully (128 + SIGTERM): it checkpointed, or it was drained.
+STOPPED_EXIT = 143
+#: Exit status of an incarnation that a newer one of the same job fenced off (it publishes nothing more).
+STALE_EXIT = 3
 #: Exit status of an incarnation that could not be started (no placement in time, actor errors): a crash.
 LAUNCH_FAILED_EXIT = 70
 #: Characters kept of each line of an incarnation's output in :func:`read_tail`.
@@ -106,6 +126,21 @@ def read_tail(path: str, lines: int = 20, max_bytes: int = 64 << 10) -> str:
         return ""
     tail = data.decode("utf-8", errors="replace").rstrip("\n").splitlines()[-lines:] if lines > 0 else []
     return "\n".join(line if len(line) <= MAX_LINE else line[:MAX_LINE] + " ..." for line in tail)
+
+
+def live_job_status(host: int, others: Sequence[int]) -> int:
+    """The exit status of a live job from its launchers' (``adaptive-run --live``): the host's (the launcher
+    that served the job's store), unless the host failed and another launcher ended with
+    :data:`STORE_LOST_EXIT`.
+
+    The store goes with the launcher that hosts it: when that launcher is killed (SIGKILL, the OOM killer: 137)
+    the others end within seconds with 75, and the job resumes when relaunched. That reads as 75 (relaunch,
+    not charged), not as the host's crash. A host that finished, stopped, or ended on a configuration error
+    (2) or a fencing (3) gives its own status: ``others`` are statuses of the launchers that ended so far.
+    """
+    if host in (0, STOPPED_EXIT, CONFIG_ERROR_EXIT, STALE_EXIT) or STORE_LOST_EXIT not in others:
+        return host
+    return STORE_LOST_EXIT
 
 
 def exit_status(returncode: int) -> int:

@@ -5,8 +5,12 @@ Each step it
 1. notices incarnations that ended: exit 0 means the job is done; an exit
    after it was asked to stop means it is ready to be relaunched; an exit
    caused by a lost node (:data:`LOST_NODE_EXIT`, or a kill because a node
-   it used was lost) is an *infrastructure failure*, counted apart
-   (``infra_failures``) and relaunched at once; any other exit is a crash,
+   it used was lost), or by a live job's lost store (its launchers exit
+   with :data:`STORE_LOST_EXIT`, the same 75), is an *infrastructure
+   failure*, counted apart (``infra_failures``) and relaunched at once, up
+   to the job's ``max_relaunches`` times; an exit with
+   :data:`CONFIG_ERROR_EXIT` (2: a usage or configuration error, which a
+   relaunch cannot fix) fails the job at once; any other exit is a crash,
    retried (with back-off) up to the job's ``max_failures``, and the last
    lines of its output become the job's ``last_error`` (logged with the
    first crash, with a new output, and when the executor gives up);
@@ -47,7 +51,7 @@ from typing import Any
 from adaptive.goodput import read_json
 from scheduler.allocator import Allocator
 from scheduler.cluster import Allocation, ClusterSpec, make_allocation
-from scheduler.executor.backend import LOST_NODE_EXIT, Assignment, Backend
+from scheduler.executor.backend import CONFIG_ERROR_EXIT, LOST_NODE_EXIT, STORE_LOST_EXIT, Assignment, Backend
 from scheduler.executor.jobspec import JobSpec
 from scheduler.policies.base import Policy
 from scheduler.supervisor.state import SupervisorState
@@ -238,10 +242,12 @@ class Executor:
                     self.backend.kill(job.handle)
                 continue
             stopping, handle = job.state is JobState.STOPPING, job.handle
-            lost = job.node_lost or code == LOST_NODE_EXIT
+            lost = job.node_lost or code in (LOST_NODE_EXIT, STORE_LOST_EXIT)
             job.last_exit, job.handle, job.assignment, job.node_lost = code, None, None, False
             if code == 0:
                 self._finish(job, JobState.SUCCEEDED, now)
+            elif code == CONFIG_ERROR_EXIT and not stopping:
+                self._config_error(job, code, handle, now)
             elif lost:
                 any_lost = True
                 self._infra_failure(job, code, now)
@@ -253,12 +259,30 @@ class Executor:
         return any_lost
 
     def _infra_failure(self, job: ManagedJob, code: int, now: float) -> None:
-        """A lost node ended the incarnation: not the job's fault, so relaunch at once, uncharged."""
+        """A lost node (or a live job's lost store) ended the incarnation: not the job's fault, so relaunch at
+        once, uncharged to ``max_failures``; after ``max_relaunches`` of them the job fails (a loss that comes
+        back at every launch must end)."""
         job.infra_failures += 1
+        if job.infra_failures > job.spec.max_relaunches:
+            logger.error("%s lost a node or its store (exit %d) %d times, more than its max_relaunches (%d): "
+                         "giving up", job.spec.name, code, job.infra_failures, job.spec.max_relaunches)
+            self._finish(job, JobState.FAILED, now)
+            return
         job.state, job.not_before = JobState.PENDING, now
         self._dirty = True
-        logger.warning("%s lost a node (exit %d): infrastructure failure %d, not counted against max_failures; "
-                       "relaunching on the nodes left", job.spec.name, code, job.infra_failures)
+        logger.warning("%s lost a node or its store (exit %d): infrastructure failure %d of %d relaunches "
+                       "allowed, not counted against max_failures; relaunching on the nodes left", job.spec.name,
+                       code, job.infra_failures, job.spec.max_relaunches)
+
+    def _config_error(self, job: ManagedJob, code: int, handle: Any, now: float) -> None:
+        """The job ended on a usage or configuration error (exit 2): a relaunch would end the same way, so the
+        job fails now, with the end of its output as its ``last_error``."""
+        job.failures += 1
+        job.last_error = self._log_tail(handle)
+        shown = f"; last lines of its output:\n{_indent(job.last_error)}" if job.last_error else ""
+        logger.error("%s exited with %d, a usage or configuration error that a relaunch cannot fix; not "
+                     "relaunching it%s", job.spec.name, code, shown)
+        self._finish(job, JobState.FAILED, now)
 
     def _crash(self, job: ManagedJob, code: int, handle: Any, now: float) -> None:
         """The job's own failure: keep its output's tail, retry with back-off or give up."""

@@ -10,6 +10,7 @@ Example ``job.yaml``::
     env: {OMP_NUM_THREADS: "1"}                    # optional
     preemptible: true                              # optional
     max_failures: 3                                # optional: crashes tolerated
+    max_relaunches: 20                             # optional: relaunches after a lost node or store (exit 75)
 
 ``command`` is what follows the launcher (``adaptive-run --standalone
 --nproc-per-node=N``): a Python script and its arguments, or a string that
@@ -29,7 +30,10 @@ import yaml
 from scheduler.supervisor.state import validate_job_id
 
 _KEYS = ("name", "command", "min_replicas", "max_replicas", "checkpoint_dir", "env", "preemptible",
-         "max_failures")
+         "max_failures", "max_relaunches")
+#: Default of ``max_relaunches``: the relaunches after infrastructure failures (a lost node, a live job's lost
+#: store: exit 75) a job gets before it is failed, so that a loss that repeats at every launch ends.
+DEFAULT_MAX_RELAUNCHES = 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     preemptible: bool = True
     max_failures: int = 3
+    max_relaunches: int = DEFAULT_MAX_RELAUNCHES
 
     def __post_init__(self) -> None:
         validate_job_id(self.name)
@@ -51,7 +56,8 @@ class JobSpec:
             raise ValueError(f"job {self.name!r}: command must be a non-empty list of non-empty strings")
         if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
             raise ValueError(f"job {self.name!r}: checkpoint_dir must be a non-empty path")
-        for key, low in (("min_replicas", 0), ("max_replicas", max(self.min_replicas, 1)), ("max_failures", 0)):
+        for key, low in (("min_replicas", 0), ("max_replicas", max(self.min_replicas, 1)), ("max_failures", 0),
+                         ("max_relaunches", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"job {self.name!r}: {key} must be an integer >= {low}, got {value!r}")
@@ -89,7 +95,8 @@ class JobSpec:
         return cls(name=data["name"], command=command, checkpoint_dir=checkpoint_dir,
                    min_replicas=min_replicas, max_replicas=data.get("max_replicas", default_max),
                    env={str(k): str(v) for k, v in env.items()},
-                   preemptible=data.get("preemptible", True), max_failures=data.get("max_failures", 3))
+                   preemptible=data.get("preemptible", True), max_failures=data.get("max_failures", 3),
+                   max_relaunches=data.get("max_relaunches", DEFAULT_MAX_RELAUNCHES))
 
     @property
     def share_dir(self) -> str:
@@ -104,7 +111,8 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "command": list(self.command), "checkpoint_dir": self.checkpoint_dir,
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas, "env": dict(self.env),
-                "preemptible": self.preemptible, "max_failures": self.max_failures}
+                "preemptible": self.preemptible, "max_failures": self.max_failures,
+                "max_relaunches": self.max_relaunches}
 
 
 def load_job_spec(path: str) -> JobSpec:

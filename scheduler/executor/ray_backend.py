@@ -29,7 +29,8 @@ its launcher's exit status about twice a second: that is also the
 heartbeat.
 
 Exit status: ``0`` once every node's launcher exited 0; a node's non-zero
-exit ends the incarnation with that status (the other nodes are killed),
+exit ends the incarnation with that status (2, a usage or configuration
+error, when one node exited with it; the other nodes are killed),
 once every other node has answered a heartbeat sent after that exit: peers
 of a lost node fail too, often before the lost node's actor is seen dead,
 and their exit must not pass for the job's own crash. A node that is lost
@@ -73,7 +74,8 @@ from typing import Any
 from scheduler.executor._ray_handle import NodeCommand, Phase, RayHandle
 from scheduler.executor._ray_resources import NODE_ID_LABEL, RELEASE_GRACE  # noqa: F401  (importable from here)
 from scheduler.executor._ray_resources import Releases, launcher_actor, reserve
-from scheduler.executor.backend import LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend, read_tail
+from scheduler.executor.backend import (CONFIG_ERROR_EXIT, LAUNCH_FAILED_EXIT, LOST_NODE_EXIT, Assignment, Backend,
+                                        read_tail)
 from scheduler.executor.jobspec import JobSpec
 from scheduler.executor.ray_import import import_ray
 from scheduler.executor.ray_pool import RayPool
@@ -361,6 +363,8 @@ class RayBackend(Backend):
             confirmed_after = handle.failed_at + FAILURE_GRACE
             if any(handle.answered.get(i, -math.inf) < confirmed_after for i in running):
                 return None
+            if CONFIG_ERROR_EXIT in failed:  # its peers failed because of it: a relaunch would end the same way
+                return self._end(handle, CONFIG_ERROR_EXIT)
             return self._end(handle, failed[0] if failed else 143)
         if len(codes) < len(handle.actors):
             return None

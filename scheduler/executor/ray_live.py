@@ -37,7 +37,12 @@ node) is refused: the executor stops and relaunches the job instead.
 
 **Exit status**: the host's, once its launcher exited (it serves the store
 until every other launcher is done; what is left of the others is then
-killed). A joiner that exits 0 or 143 is done; a joiner that fails, that
+killed). When the host's launcher fails (killed: 137), the store went with
+it: the joiners end within seconds with 75, and the job's status is 75
+(:func:`~scheduler.executor.backend.live_job_status`), which the executor
+relaunches at once as an infrastructure failure; joiners still running
+:data:`STORE_LOSS_WAIT` seconds after the host failed are killed and the
+job ends with the host's status. A joiner that exits 0 or 143 is done; a joiner that fails, that
 cannot be launched, or whose node is lost ends the whole job with its status
 (:data:`~scheduler.executor.backend.LOST_NODE_EXIT` for a lost node, which
 the executor relaunches as an infrastructure failure). A stop is SIGTERM to
@@ -47,6 +52,7 @@ every launcher (every member leaves at once: the job checkpoints and exits
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -56,9 +62,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.executor.backend import LAUNCH_FAILED_EXIT, Assignment, Backend
+from scheduler.executor.backend import LAUNCH_FAILED_EXIT, STORE_LOST_EXIT, Assignment, Backend, live_job_status
 from scheduler.executor.jobspec import JobSpec
-from scheduler.executor.local_live import live_command
+from scheduler.executor.local_live import live_command, new_secret, secret_environment
 from scheduler.executor.ray_backend import Phase, RayBackend, RayHandle
 from scheduler.executor.ray_import import import_ray
 from scheduler.executor.ray_pool import RayPool
@@ -74,6 +80,9 @@ DONE_EXIT_CODES = (0, 128 + signal.SIGTERM)
 #: Seconds the other launchers get to exit on their own once the host's launcher is done (it serves the
 #: store until they are done: they are exiting), before what is left of them is killed.
 FINISH_GRACE = 5.0
+#: Seconds the other launchers get to end (with 75: relaunch) once the host's launcher failed and took the job's
+#: store with it: they notice within about 4 s (the live agent's grace of 3 s) and end their workers.
+STORE_LOSS_WAIT = 20.0
 
 
 @dataclass
@@ -104,11 +113,14 @@ class LiveRayHandle:
     probe: Any = None
     serve_deadline: float | None = None
     stopping: bool = False
-    #: When the host's launcher was seen done (the others then get :data:`FINISH_GRACE` s to exit).
+    #: When the host's launcher was seen done (the others then get :data:`FINISH_GRACE` s to exit), or failed
+    #: (they then get :data:`STORE_LOSS_WAIT` s to end with 75).
     host_done_at: float | None = None
     exit_code: int | None = None
     #: The replica whose exit ended the job.
     ended_by: Replica | None = None
+    #: The secret its launchers sign the job's records with (one per launch).
+    secret: str = field(default_factory=new_secret, repr=False)
 
     @property
     def name(self) -> str:
@@ -265,8 +277,9 @@ class LiveRayBackend(Backend):
         def command(_rank: int, _nproc: int, endpoint: str) -> list[str]:
             return self.command(spec, size, endpoint)
 
+        signed = dataclasses.replace(spec, env={**spec.env, **secret_environment(handle.secret)})
         replica.incarnation = self.ray_backend.launch_nodes(
-            spec, Assignment((replica.node,), (0,)), handle.attempt, command, [log], endpoint=endpoint,
+            signed, Assignment((replica.node,), (0,)), handle.attempt, command, [log], endpoint=endpoint,
             label=f"{spec.name}.replica-{replica.number}")
 
     def _remove(self, handle: LiveRayHandle, replica: Replica) -> None:
@@ -281,18 +294,40 @@ class LiveRayBackend(Backend):
         return None if replica.incarnation is None else self.ray_backend.poll(replica.incarnation)
 
     def _host_exited(self, handle: LiveRayHandle, code: int) -> int | None:
-        """The job's status is the host's: once the others exited too (or at once when the host failed)."""
-        if code in DONE_EXIT_CODES:
-            now = self.ray_backend.clock()
-            if handle.host_done_at is None:
-                handle.host_done_at = now
-            running = [r.number for r in handle.replicas[1:] + handle.leaving
-                       if r.incarnation is not None and self._poll(r) is None]
-            if running and now < handle.host_done_at + FINISH_GRACE:
-                return None
-            if running:
-                logger.warning("%s: replica(s) %s still ran %.0f s after the launcher hosting the store exited",
-                               handle.name, running, FINISH_GRACE)
+        """The job's status is the host's, once the others exited too; a host that failed is
+        :meth:`_host_failed`."""
+        if code not in DONE_EXIT_CODES:
+            return self._host_failed(handle, code)
+        now = self.ray_backend.clock()
+        if handle.host_done_at is None:
+            handle.host_done_at = now
+        running = [r.number for r in handle.replicas[1:] + handle.leaving
+                   if r.incarnation is not None and self._poll(r) is None]
+        if running and now < handle.host_done_at + FINISH_GRACE:
+            return None
+        if running:
+            logger.warning("%s: replica(s) %s still ran %.0f s after the launcher hosting the store exited",
+                           handle.name, running, FINISH_GRACE)
+        return self._end(handle, code, handle.host)
+
+    def _host_failed(self, handle: LiveRayHandle, code: int) -> int | None:
+        """The host's launcher failed with ``code`` and took the job's store with it: the job ends with 75 once
+        a joiner ended with it (relaunch, :func:`~scheduler.executor.backend.live_job_status`), with ``code``
+        when none did within :data:`STORE_LOSS_WAIT` s, at once when ``code`` stands whatever they say."""
+        now = self.ray_backend.clock()
+        if handle.host_done_at is None:
+            handle.host_done_at = now
+        if live_job_status(code, [STORE_LOST_EXIT]) == code:  # a configuration error, a fencing, a lost node
+            return self._end(handle, code, handle.host)
+        joiners = [(replica, self._poll(replica)) for replica in handle.replicas[1:] + handle.leaving
+                   if replica.incarnation is not None]
+        lost_store = next((replica for replica, ended in joiners if ended == STORE_LOST_EXIT), None)
+        if lost_store is not None:
+            logger.warning("%s: the launcher hosting the job's store ended with %d and the store with it; replica %d "
+                           "ended with %d: relaunch", handle.name, code, lost_store.number, STORE_LOST_EXIT)
+            return self._end(handle, STORE_LOST_EXIT, lost_store)
+        if any(ended is None for _, ended in joiners) and now < handle.host_done_at + STORE_LOSS_WAIT:
+            return None  # the joiners notice the loss of the store within seconds
         return self._end(handle, code, handle.host)
 
     def _start_joiners(self, handle: LiveRayHandle) -> int | None:

@@ -11,7 +11,12 @@ later attempt writes hides what an earlier one did:
     to time their signals.
 ``samples.<attempt>.rank<R>.jsonl``
     one line per step: epoch, loop, the loader's step (over the whole job),
-    world size and the indices of the samples this rank trained on.
+    world size and the indices of the samples this rank trained on; also the
+    pid, and under ``adaptive-run --live`` the live generation and whether
+    the step was discarded (a member was lost before every member applied
+    it: it is trained again), both read at the call, after the step's
+    update (outside live mode: None and False).  ``<R>`` is the rank when
+    the line was written: a live member's rank changes with the membership.
 ``totals.<attempt>.rank<R>.jsonl``
     one line per ``synchronized()`` block: epoch, block name, the totals.
 ``epochs.<attempt>.rank<R>.jsonl``
@@ -29,7 +34,8 @@ Knobs: ``CORPUS_LAUNCH`` (the test's launch number, default 0),
 ``CORPUS_PAUSE`` (seconds each :func:`pause` named in ``CORPUS_PAUSE_AT``
 lasts, default 0 and "epoch-end": a slow log or save between loops), ``CORPUS_STEP_SLEEP`` (seconds added to every
 step of a loop, ``"valid=0.05"``: a slower validation, so that a test can
-signal the script inside it).
+signal the script inside it), ``CORPUS_STEP_SLEEP_UNTIL`` (a path: the steps sleep only until that file
+exists, so that a test can slow a job down while it acts on it and let it finish at full speed).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ PAUSE = float(os.environ.get("CORPUS_PAUSE", "0"))
 PAUSE_AT = set(filter(None, os.environ.get("CORPUS_PAUSE_AT", "epoch-end").split(",")))
 STEP_SLEEP = {loop: float(seconds) for loop, _, seconds in
               (item.partition("=") for item in os.environ.get("CORPUS_STEP_SLEEP", "").split(",") if item)}
+STEP_SLEEP_UNTIL = os.environ.get("CORPUS_STEP_SLEEP_UNTIL")
 
 
 def _rank() -> int:
@@ -104,10 +111,22 @@ def step(epoch: int, loop: str, loader: Any, index: torch.Tensor, **values: floa
     _append(_path("samples", "jsonl"), {"epoch": epoch, "loop": loop, "step": loader.step, "world": _world(),
                                          "time": time.time(),
                                          "idx": [int(i) for i in index.reshape(-1).tolist()],
+                                         **_live_step(),
                                          **{key: float(value) for key, value in values.items()}})
     progress(epoch, loop, loader.step)
-    if STEP_SLEEP.get(loop):
+    if STEP_SLEEP.get(loop) and not (STEP_SLEEP_UNTIL and os.path.exists(STEP_SLEEP_UNTIL)):
         time.sleep(STEP_SLEEP[loop])
+
+
+def _live_step() -> dict:
+    """This process's pid, its live generation (None outside ``adaptive-run --live``) and whether the step in
+    flight is discarded (``adaptive.runtime.step.discarded()``: it lost a member before every member applied its
+    update, and is trained again after the members re-form)."""
+    from adaptive.runtime import membership
+    from adaptive.runtime import step as step_records
+
+    return {"pid": os.getpid(), "generation": membership.generation_number(),
+            "discarded": step_records.discarded()}
 
 
 def totals(epoch: int, block: str, values: Mapping[str, Any]) -> None:

@@ -197,7 +197,7 @@ def main():
                                "world": dist.get_world_size(), "generation": membership.generation_number(),
                                "epoch": epoch, "step": loader.step, "indices": index.tolist(),
                                "loss": loss.item() if math.isfinite(loss.item()) else None,
-                               "discarded": step_records.faulted()})
+                               "discarded": step_records.discarded()})
             time.sleep(STEP_SLEEP)
         record_epoch(OUT, epoch, counts, loader, loader.step)
     record_done(OUT, loader, loader.step)

@@ -111,7 +111,7 @@ def main():
                                "generation": membership.generation_number(), "epoch": epoch, "step": loader.step,
                                "indices": index.tolist(), "before": before,
                                "after": full_digest(model, optimizer, scheduler),
-                               "discarded": step_records.faulted(), "draw": draw})
+                               "discarded": step_records.discarded(), "draw": draw})
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
             validate(OUT, val_loader, epoch, SAMPLES, model)

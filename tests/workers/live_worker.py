@@ -32,8 +32,10 @@ trained: its rank, the world size and the live generation then, the epoch,
 the loader's step, the sample indices of its micro-batches, and a digest of
 the model and optimizer state *before* the step (every member of a step
 must hold the same), a number it drew from torch's global generator as it
-began (as a dropout mask would), and whether the step was discarded (a member was lost
-during it: it is trained again after the members re-form).  Rank 0 appends each epoch's per-sample counts (summed
+began (as a dropout mask would), written before the update, and then a line
+``{"ended": true, "discarded": ...}`` once the step ended: whether it was
+discarded (a member was lost before every member applied it: it is trained
+again after the members re-form).  Rank 0 appends each epoch's per-sample counts (summed
 over the replicas by an Accumulator) to ``epochs.jsonl``, and at the end
 writes ``done.json``.  Each process appends its pid and exit status to
 ``exits.jsonl``.
@@ -198,16 +200,19 @@ def main():
             loss = (model(x) - y).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
-            optimizer.step()
             indices.extend(index.tolist())
-            counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
-            if not loader.is_accumulation_step():
-                model.module.steps += 1
-                scheduler.step()
+            ends_step = not loader.is_accumulation_step()
+            if ends_step:  # recorded before the update: a worker killed right after it still tells what it trained
                 append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
                                    "world": dist.get_world_size(), "generation": membership.generation_number(),
                                    "epoch": epoch, "step": loader.step, "indices": indices, "digest": digest,
-                                   "discarded": step_records.faulted(), "draw": draw})
+                                   "draw": draw})
+            optimizer.step()
+            counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            if ends_step:
+                model.module.steps += 1
+                scheduler.step()
+                append_jsonl(log, {"pid": os.getpid(), "ended": True, "discarded": step_records.discarded()})
                 indices, digest, draw = [], None, None
             time.sleep(STEP_SLEEP)
         if val_loader is not None:

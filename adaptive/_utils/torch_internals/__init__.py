@@ -22,7 +22,9 @@ The package, by concept:
 * ``_c10d``: process groups (a ``Work`` from a future, gloo's private
   collective names, ``ProcessGroup``'s overridden methods);
 * ``_fsdp``: FSDP2's state and parameters, and DTensor;
-* ``_dcp``: distributed checkpoint's private pickle names.
+* ``_dcp``: distributed checkpoint's private pickle names;
+* ``_elastic``: torchrun's elastic agent (ended, not restarted, at a worker's
+  usage error).
 
 Checked against the torch versions in :data:`CHECKED_TORCH_VERSIONS` (the
 one ``requirements.txt`` pins and the tests run on), a subset of what
@@ -72,6 +74,7 @@ from adaptive._utils.torch_internals._c10d import (
     PROCESS_GROUP_OVERRIDDEN_METHODS, work_from_future,
 )
 from adaptive._utils.torch_internals._dcp import dcp_metadata_private_globals, dcp_storage_info_class
+from adaptive._utils.torch_internals._elastic import ELASTIC_AGENT_OVERRIDDEN_METHODS, end_elastic_agent_on_exit_code
 from adaptive._utils.torch_internals._ddp import (
     DDP_OVERRIDDEN_METHODS, ddp_assign_modules_buffers, ddp_comm_hooks, ddp_init_reducer, ddp_param_names,
     ddp_params_for_reducer, ddp_sync_buffers, preserve_version_counter, reducer_set_static_graph,
@@ -99,7 +102,7 @@ __all__ = [
     "fsdp_param_groups", "fsdp_is_root", "fsdp_param_orig_size", "fsdp_unsharded_param", "dtensor_class",
     "dtensor_local_tensor", "dtensor_like",
     "clear_dtensor_python_sharding_cache", "clear_dtensor_native_sharding_cache", "dcp_storage_info_class",
-    "dcp_metadata_private_globals",
+    "dcp_metadata_private_globals", "end_elastic_agent_on_exit_code", "ELASTIC_AGENT_OVERRIDDEN_METHODS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -184,6 +187,7 @@ _DDP = "torch.nn.parallel.DistributedDataParallel"
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState"
 _FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam"
 _DTENSOR = "torch.distributed.tensor.DTensor"
+_ELASTIC_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
 
 #: Every private torch name used here.  tests/test_torch_internals.py checks that each required one exists on
 #: the installed torch, and that no module of ``adaptive`` outside this package names any of them.
@@ -222,6 +226,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.distributed.checkpoint.filesystem", "_StorageInfo", "dcp_storage_info_class"),
     PrivateName("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "dcp_metadata_private_globals"),
     PrivateName("torch.serialization", "_get_layout", "dcp_metadata_private_globals"),
+    PrivateName("torch.distributed.launcher.api", "LocalElasticAgent", "end_elastic_agent_on_exit_code"),
+    PrivateName(_ELASTIC_AGENT, "_monitor_workers", "ELASTIC_AGENT_OVERRIDDEN_METHODS"),
 )
 
 
