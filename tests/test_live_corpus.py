@@ -70,11 +70,13 @@ The steps sleep a little (``CORPUS_STEP_SLEEP``) until the killed worker's
 restart trains, so that the job outlasts the sequence on a busy machine;
 then they run at full speed to the end.
 
-dcgan fails at times for two library bugs (:data:`LOOP_END_JOIN`,
-:data:`GNS_JOIN_HANG`); such a failure, recognised by a line of the logs,
-is reported as an xfail naming the bug, any other failure fails.
+dcgan fails at times for a library bug (:data:`GNS_JOIN_HANG`); such a
+failure, recognised by a line of the logs, is reported as an xfail naming
+the bug, any other failure fails.
 ``test_a_joiner_admitted_after_a_loops_last_step_still_runs_the_loop_body``
-reproduces the first one every time (``xfail(strict=True)``).
+checks the fix of another one this test found: a join agreed after a loop's
+last step is made at the next loop's first boundary, so that the joiner
+runs a loop body.
 
 Every case is ``slow`` (17-35 s each on 2 cores, up to 55 s when other
 jobs load them); CI runs two of the fastest (``ci_sample``).
@@ -113,11 +115,6 @@ SETTLE_STEPS = 3
 EPOCHS = 12
 
 #: Library bugs this test found (see the reasons), by a line the failing run's logs hold.
-LOOP_END_JOIN = (
-    "library bug: a join agreed at the boundary after a loop's last step (LoopBoundaries.cross agrees, and "
-    "step_boundary acts on the change, before next_step() finds the plan done) admits the joiner into a loop with "
-    "no step left: its loop body never runs, and dcgan's b_size, bound in the loop and used after it, is unbound "
-    "(UnboundLocalError on the joiner; the member then loses it between loops and takes the restart path)")
 GNS_JOIN_HANG = (
     "library bug: after a join, dcgan's two members (two wrappers; netD is backpropagated through three times per "
     "step) wait in netG's buffer broadcast (AdaptiveDataParallel._broadcast_buffers) in the first step: their "
@@ -188,8 +185,7 @@ CASES: dict[str, LiveCase] = {
                       lr_after=lambda epoch: 0.0005,  # StepLR(15) stepped per epoch: not in 12 epochs
                       kill_between_steps=True,
                       env=(("ADAPTIVE_COLLECTIVE_TIMEOUT", "20"),),  # GNS_JOIN_HANG ends in 20 s, not 60
-                      known_failures=(("UnboundLocalError: cannot access local variable 'b_size'", LOOP_END_JOIN),
-                                      ("Application timeout caused pair closure", GNS_JOIN_HANG))),
+                      known_failures=(("Application timeout caused pair closure", GNS_JOIN_HANG),)),
     "lr_schedules": LiveCase(_ONECYCLE, "train=0.1,valid=0.05",
                              counted=(("train", "train", "n"), ("valid", "valid", "n")), lr_after=_onecycle_lr),
 }
@@ -489,7 +485,6 @@ def test_a_corpus_script_joins_leaves_and_loses_a_worker_under_live(jobs, tmp_pa
     _check_learning_rates(job)
 
 
-@pytest.mark.xfail(strict=True, reason=LOOP_END_JOIN)
 def test_a_joiner_admitted_after_a_loops_last_step_still_runs_the_loop_body(jobs, tmp_path):
     """dcgan with one step per epoch (128 pictures, batch 128): every boundary after a step is its loop's last,
     so every join is agreed there.  The joiner must still train (its loop body binds ``b_size``, which the code

@@ -48,6 +48,7 @@ class LoopBoundaries:
         self._metadata = metadata
         self._where = where
         self._planned = False  # whether the pass planned a step (a loss before that finds the loop untrained)
+        self._after_last = False  # whether the step just trained was the loop's last
         self._generation: int | None = None  # the live generation it last planned in (None: not live)
 
     def cross(self, decide: Callable[[bool], None],
@@ -82,6 +83,7 @@ class LoopBoundaries:
                     continue
                 return None
             step, last = planned
+            self._after_last = last
             if last and not first:
                 # A stop known now is taken before the loop's last step, so that a replay runs that step
                 # (and the loop body that binds its variables) again.
@@ -104,8 +106,12 @@ class LoopBoundaries:
         """The agreement at this boundary; whether it is a first one (of the pass, or of a new membership)."""
         if first:  # a stop that arrived between loops is acted on before the first step
             sync_points.settle(self._metadata, recoverable=True)
+            # Live mode: a change agreed after the last loop's last step is made here, before this loop's
+            # first step, so that the joiners train this loop; this boundary is then the new generation's first.
+            if sync_points.make_carried_change(self._metadata) and not faulted():
+                sync_points.settle(self._metadata, recoverable=True)
             return True
-        sync_points.step_boundary(self._metadata)
+        sync_points.step_boundary(self._metadata, loop_ends=self._after_last)
         if self._generation != membership.generation_number() and not faulted():
             # Live mode: the membership changed here. The joiners enter this loop now; the boundary is the
             # first of the new generation, for the members that stayed too.

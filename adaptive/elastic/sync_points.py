@@ -71,6 +71,7 @@ __all__ = [
     "request_stop",
     "stop_requested",
     "step_boundary",
+    "make_carried_change",
     "settle",
     "restart_spacing",
     "final_boundary",
@@ -216,7 +217,7 @@ def restart_spacing() -> None:
     agreement.spacing, agreement.countdown, agreement.agreed_at = 1, 0, None
 
 
-def step_boundary(metadata: Metadata) -> None:
+def step_boundary(metadata: Metadata, *, loop_ends: bool = False) -> None:
     """Call between two steps on every replica; may checkpoint or exit.
 
     At an agreement boundary, acts on the flags agreed at the previous one
@@ -225,6 +226,10 @@ def step_boundary(metadata: Metadata) -> None:
     the position for the checkpoint's manifest (epoch, step, ...).  In live
     mode a lost peer is recorded on the step
     (:func:`adaptive.runtime.step.record_fault`) for the loader to act on.
+    ``loop_ends``: the step before this boundary was its loop's last; a
+    membership change agreed here is carried to the next loop's first
+    boundary (:func:`make_carried_change`), since a joiner admitted here
+    would enter a loop with no step left, and its loop body would not run.
     """
     agreement = _agreement()
     agreement.metadata = metadata
@@ -245,8 +250,17 @@ def step_boundary(metadata: Metadata) -> None:
         return
     _act(metadata)
     agreement.countdown = agreement.spacing
-    if _change_agreed():
+    if _change_agreed() and not loop_ends:
         _change_membership(metadata)
+
+
+def make_carried_change(metadata: Metadata) -> bool:
+    """Live mode, at a loop's first boundary, after :func:`settle`: make a membership change that was agreed
+    and carried (agreed after the last loop's last step); whether one was made.  Every member calls it."""
+    if not _change_agreed() or step_records.faulted():
+        return False
+    _change_membership(metadata)
+    return True
 
 
 def _record_loss(error: collectives.CollectiveError) -> None:

@@ -106,11 +106,12 @@ def main():
             scheduler.step()
             model.module.steps += 1
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            after = full_digest(model, optimizer, scheduler)  # (a gather: a member lost in it leaves it partial)
             append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
                                "world": dist.get_world_size(), "mesh": list(model.mesh.shape),
                                "generation": membership.generation_number(), "epoch": epoch, "step": loader.step,
                                "indices": index.tolist(), "before": before,
-                               "after": full_digest(model, optimizer, scheduler),
+                               "after": None if step_records.faulted() else after,
                                "discarded": step_records.discarded(), "draw": draw})
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
