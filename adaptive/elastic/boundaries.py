@@ -105,19 +105,29 @@ class LoopBoundaries:
     def _agree(self, first: bool) -> bool:
         """The agreement at this boundary; whether it is a first one (of the pass, or of a new membership)."""
         if first:  # a stop that arrived between loops is acted on before the first step
-            sync_points.settle(self._metadata, recoverable=True)
-            # Live mode: a change agreed after the last loop's last step is made here, before this loop's
-            # first step, so that the joiners train this loop; this boundary is then the new generation's first.
-            if sync_points.make_carried_change(self._metadata) and not faulted():
-                sync_points.settle(self._metadata, recoverable=True)
+            self._settle_first()
             return True
         sync_points.step_boundary(self._metadata, loop_ends=self._after_last)
         if self._generation != membership.generation_number() and not faulted():
             # Live mode: the membership changed here. The joiners enter this loop now; the boundary is the
             # first of the new generation, for the members that stayed too.
-            sync_points.settle(self._metadata, recoverable=True)
+            self._settle_first()
             return True
         return False
+
+    def _settle_first(self) -> None:
+        """Agree at a first boundary (of the pass, of a new membership, of the re-formed job) and make at once a
+        membership change agreed there or carried from the last loop's end, then agree again as the new
+        generation's first boundary.
+
+        Every member and every joiner settles here alike (a joiner's first agreement is the members' first
+        after the change that admitted it), so all of them make the same changes at the same agreement: a change
+        made by some and put off by others would leave them in different collectives.  Each round admits or
+        lets go of somebody, so the rounds are bounded by the processes asking.
+        """
+        sync_points.settle(self._metadata, recoverable=True)
+        while not faulted() and sync_points.make_agreed_change(self._metadata):
+            sync_points.settle(self._metadata, recoverable=True)  # returns at once if the change lost somebody
 
     def _recover(self) -> None:
         """Live mode: re-form without the lost member and go back to the last committed step, or end this process."""
@@ -127,4 +137,4 @@ class LoopBoundaries:
             peer_failure.report(error)
             raise SystemExit(PEER_FAILED_EXIT_CODE) from error
         sync_points.forget_decisions()
-        sync_points.settle(self._metadata, recoverable=True)  # the first boundary of the re-formed job
+        self._settle_first()  # the first boundary of the re-formed job

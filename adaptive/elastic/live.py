@@ -319,6 +319,9 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
         _adopt_private_parts(lost_in)
     steps.fault = None
     fencing.renew_generation()
+    # What the states hold now (the restored copies, and the lost members' private parts adopted) is the new
+    # generation's commit point: a member lost before its first step must not take the adopted parts away.
+    keep_commit_point(where)
     back_to = ("the start of this loop" if at_loop_start else
                "after the step in flight, which every member applied" if steps.step_committed else
                "before the step in flight, which no member applied: it is trained again")

@@ -71,7 +71,7 @@ __all__ = [
     "request_stop",
     "stop_requested",
     "step_boundary",
-    "make_carried_change",
+    "make_agreed_change",
     "settle",
     "restart_spacing",
     "final_boundary",
@@ -228,7 +228,7 @@ def step_boundary(metadata: Metadata, *, loop_ends: bool = False) -> None:
     (:func:`adaptive.runtime.step.record_fault`) for the loader to act on.
     ``loop_ends``: the step before this boundary was its loop's last; a
     membership change agreed here is carried to the next loop's first
-    boundary (:func:`make_carried_change`), since a joiner admitted here
+    boundary (:func:`make_agreed_change`), since a joiner admitted here
     would enter a loop with no step left, and its loop body would not run.
     """
     agreement = _agreement()
@@ -254,9 +254,10 @@ def step_boundary(metadata: Metadata, *, loop_ends: bool = False) -> None:
         _change_membership(metadata)
 
 
-def make_carried_change(metadata: Metadata) -> bool:
-    """Live mode, at a loop's first boundary, after :func:`settle`: make a membership change that was agreed
-    and carried (agreed after the last loop's last step); whether one was made.  Every member calls it."""
+def make_agreed_change(metadata: Metadata) -> bool:
+    """Live mode, at a first boundary (of a loop, of a new membership), after :func:`settle`: make a membership
+    change agreed there, or agreed after the last loop's last step and carried; whether one was made.  Every
+    member calls it at the same agreement."""
     if not _change_agreed() or step_records.faulted():
         return False
     _change_membership(metadata)

@@ -60,11 +60,37 @@ class _AdaptiveDataParallelState(states.State):
         self.optimizer.load_state_dict(state["optimizer"])
         self.parts.load_state_dict(state)
 
+    def restore_on_admission(self) -> None:
+        """A live candidate admitted: restored as at creation; when the candidates formed the generation from
+        disk (every member of the one asked was lost), they all call this, and start from rank 0's weights.
+
+        With no checkpoint yet each built its model with its own random init, on its group of one, where
+        DDP's broadcast from rank 0 at construction did nothing (collective on the new generation then).
+        """
+        super().restore_on_admission()
+        if not membership.membership().took_state_from_peers:
+            with torch.no_grad():
+                broadcast_from_rank0([*self.model.parameters(), *self.model.buffers()],
+                                     torch.distributed.group.WORLD, "the weights of the generation formed from disk")
+
     def live_copy(self) -> StateDict:
         return self.parts.live_copy()  # the weights and optimizer state: equal on every member (step commit)
 
     def restore_live_copy(self, saved: object) -> None:
         self.parts.restore_live_copy(saved)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], group: torch.distributed.ProcessGroup | None,
+                         what: str) -> None:
+    """Copy rank 0's ``tensors`` into every member's, one flat broadcast per dtype and device (in the same order
+    on every member), each waited for by :func:`adaptive.runtime.collectives.wait`; call under ``no_grad``."""
+    for kind in sorted({(tensor.dtype, tensor.device) for tensor in tensors}, key=str):
+        same = [tensor for tensor in tensors if (tensor.dtype, tensor.device) == kind]
+        flat = torch.cat([tensor.reshape(-1) for tensor in same])
+        work = torch.distributed.broadcast(flat, group_src=0, group=group, async_op=True)
+        collectives.wait(work, what)
+        for tensor, value in zip(same, flat.split([tensor.numel() for tensor in same])):
+            tensor.copy_(value.view_as(tensor))
 
 
 class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
@@ -177,13 +203,7 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
             torch_internals.ddp_assign_modules_buffers(self)
             buffers = list(self.modules_buffers)
             with torch_internals.preserve_version_counter(buffers):
-                for kind in sorted({(buffer.dtype, buffer.device) for buffer in buffers}, key=str):  # same order
-                    same = [buffer for buffer in buffers if (buffer.dtype, buffer.device) == kind]
-                    flat = torch.cat([buffer.reshape(-1) for buffer in same])
-                    work = torch.distributed.broadcast(flat, group_src=0, group=self.process_group, async_op=True)
-                    collectives.wait(work, "the buffer broadcast")
-                    for buffer, value in zip(same, flat.split([buffer.numel() for buffer in same])):
-                        buffer.copy_(value.view_as(buffer))
+                broadcast_from_rank0(buffers, self.process_group, "the buffer broadcast")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Exactly what ``no_sync()`` does, decided per micro-step by the step the loader published.

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from adaptive.runtime import broken_groups, env, launch_status, membership, peer_failure, reforming
 from adaptive.runtime.errors import CollectiveError
 from adaptive.runtime.live_protocol import Generation
+from adaptive.runtime.watched_store import LossWatchedStore
 from adaptive.runtime.job import ProcessGroups, current_job
 
 __all__ = [
@@ -112,9 +113,10 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
 
 
 def _init_generation(backend: str, generation: Generation, delta: datetime.timedelta) -> None:
-    """The default group of a live generation, on its own prefix of the launchers' store.
+    """The default group of a live generation, on its own prefix of the launchers' store, and its side groups.
 
-    The members meet on the store first (:func:`adaptive.runtime.reforming.meet`): a member lost since the
+    The members meet on the store first (:func:`adaptive.runtime.reforming.meet`), and the group's rendezvous
+    gives up once a member is reported lost (:mod:`adaptive.runtime.watched_store`): a member lost since the
     generation was agreed fails this with :class:`CollectiveError` within seconds, not at the timeout.
     """
     wid = membership.membership().wid
@@ -125,12 +127,15 @@ def _init_generation(backend: str, generation: Generation, delta: datetime.timed
     if missing:
         raise CollectiveError(f"generation {generation.number}'s group cannot form: worker(s) "
                               f"{', '.join(map(str, missing))} did not come")
+    store = LossWatchedStore(membership.generation_store(generation.number), reforming.loss_reported,
+                             f"generation {generation.number} lost a member while its group was being built")
+    _groups().rendezvous_stores.append(store)
     try:
-        dist.init_process_group(backend, store=membership.generation_store(generation.number), rank=env.rank(),
-                                world_size=env.num_replicas(), timeout=delta)
+        dist.init_process_group(backend, store=store, rank=env.rank(), world_size=env.num_replicas(), timeout=delta)
+        membership.group_formed(delta.total_seconds())
+        _make_side_groups(delta)
     except (RuntimeError, dist.DistError) as error:  # a member lost after it met the others
-        raise _wrap_failure(f"the rendezvous of generation {generation.number}'s group", error) from error
-    membership.group_formed(delta.total_seconds())
+        raise _wrap_failure(f"the rendezvous of generation {generation.number}'s groups", error) from error
 
 
 def _make_side_groups(delta: datetime.timedelta) -> None:
@@ -187,7 +192,6 @@ def regroup(following: Generation, *, broken: bool = False) -> None:
     groups.retained.clear()
     membership.enter(following)
     _init_generation(backend, following, delta)
-    _make_side_groups(delta)
     membership.notify_regroup()
 
 

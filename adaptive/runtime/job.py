@@ -51,6 +51,10 @@ class ProcessGroups:
     timeout: float | None = None  # seconds a collective waits for its peers (init_process_group's)
     backend: str | None = None  # the default group's backend (live mode rebuilds it on each generation)
     teardown_registered: bool = False
+    #: The stores the last live generations' groups were built on: a store written in Python lives on in torch
+    #: only while Python holds it (:class:`adaptive.runtime.watched_store.LossWatchedStore`).
+    rendezvous_stores: collections.deque[torch.distributed.Store] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=4))
     #: The last finished agreements' (work, tensor): released well after gloo's thread has let go of them.
     retained: collections.deque[tuple[object, object]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=4))

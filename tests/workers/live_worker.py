@@ -74,6 +74,7 @@ LOADERS_FIRST = os.environ.get("WORKER_ORDER", "model-first") == "loaders-first"
 
 logging.basicConfig(level=logging.INFO, format=f"[pid {os.getpid()}] %(name)s: %(message)s")
 faulthandler.enable()  # a crash (say, at interpreter teardown) leaves every thread's Python stack in the log
+faulthandler.register(signal.SIGUSR1)  # a test (or a person) can ask for every thread's stack
 logging.getLogger("adaptive.runtime.peer_failure").setLevel(logging.DEBUG)
 
 
