@@ -84,6 +84,35 @@ def wait_steps(out: Path, predicate, what: str, timeout: float = 90.0) -> list[d
     return wait_for(lambda: (lambda records: records if predicate(records) else None)(steps(out)), timeout, what)
 
 
+def newest_records(records: list[dict], key=lambda record: (record["epoch"], record["step"])) -> dict:
+    """``key(record)`` (default: (epoch, step)) -> the records of the newest generation that trained that step
+    without discarding it (a step discarded after a loss was trained again; within one run of the job)."""
+    newest: dict = {}
+    for record in records:
+        if record["discarded"]:  # a member was lost before every member applied it: trained again
+            continue
+        group = newest.get(key(record), [])
+        if group and record["generation"] > group[0]["generation"]:
+            group = []
+        if not group or record["generation"] == group[0]["generation"]:
+            newest[key(record)] = group + [record]
+    return newest
+
+
+def without_debug_traceback(log: str) -> str:
+    """``log`` without the traceback the worker keeps at DEBUG for a peer failure (live_worker turns that
+    logger's DEBUG on: it is not something a user sees)."""
+    kept, skipping = [], False
+    for line in log.splitlines():
+        if "adaptive.runtime.peer_failure: the failed collective" in line:
+            skipping = True
+        elif line.startswith(("[pid ", "adaptive-run")):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def check_after_rollbacks(out: Path, epochs: int) -> None:
     """Like :func:`check_steps` for a job that lost members (live, or back to a checkpoint): a step trained
     again counts with the records of its newest generation, which must be one consistent set of members from
@@ -92,16 +121,7 @@ def check_after_rollbacks(out: Path, epochs: int) -> None:
     The epoch's Accumulator totals are exact, except that a worker killed after its last step's update was
     applied everywhere, and before that step ended, takes what it alone counted in that step with it (the
     library warns): the shortfall must then be exactly such steps' samples."""
-    newest: dict[tuple[int, int], list[dict]] = {}
-    for record in steps(out):
-        if record["discarded"]:  # a member was lost during it: trained again after the re-forming
-            continue
-        key = (record["epoch"], record["step"])
-        group = newest.get(key, [])
-        if group and record["generation"] > group[0]["generation"]:
-            group = []
-        if not group or record["generation"] == group[0]["generation"]:
-            newest[key] = group + [record]
+    newest = newest_records(steps(out))
     for (epoch, step), records in newest.items():
         assert len(records) == records[0]["world"] and len({r["digest"] for r in records}) == 1, \
             f"epoch {epoch} step {step}: {[(r['pid'], r['generation'], r['world']) for r in records]}"

@@ -23,7 +23,7 @@ import psutil
 
 from elastic_harness import live_pids, wait_exit, wait_for
 from live_harness import BATCH, LIVE_WORKER, REPO, SAMPLES, check_after_rollbacks, check_steps, exits, launch, logs
-from live_harness import replayed_draws, steps, wait_steps, worker_pids
+from live_harness import replayed_draws, steps, wait_steps, without_debug_traceback, worker_pids
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 
@@ -338,19 +338,6 @@ def test_the_store_listens_on_the_endpoints_address_only_and_refuses_another_job
     assert {r["pid"] for r in steps(out)} == {records[0]["pid"]} and {r["world"] for r in steps(out)} == {1}
 
 
-def _without_debug_traceback(log: str) -> str:
-    """``log`` without the traceback the worker keeps at DEBUG for a peer failure (live_worker turns it on)."""
-    kept, skipping = [], False
-    for line in log.splitlines():
-        if "adaptive.runtime.peer_failure: the failed collective" in line:
-            skipping = True
-        elif line.startswith(("[pid ", "adaptive-run")):
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)
-
-
 @pytest.mark.slow
 @pytest.mark.ci_sample  # about 15-25 s: CI runs it after the default suite
 def test_losing_the_node_that_hosts_the_store_ends_the_others_with_75_and_a_relaunch_resumes(jobs, tmp_path):
@@ -371,7 +358,7 @@ def test_losing_the_node_that_hosts_the_store_ends_the_others_with_75_and_a_rela
     ended_in = time.monotonic() - started
     assert wait_for(lambda: live_pids(workers) == [], 10, "the workers to be gone"), live_pids(workers)
     said = (out / "other.log").read_text(errors="replace")
-    assert "has not answered" in said and "Traceback" not in _without_debug_traceback(said), said
+    assert "has not answered" in said and "Traceback" not in without_debug_traceback(said), said
     assert ended_in < 20, ended_in
     again = launch(jobs, out, portpicker.pick_unused_port(), "again", **settings)
     assert wait_exit(again, 120, out / "again.log") == 0, logs(out)

@@ -103,6 +103,7 @@ import torch
 
 from corpus_harness import PORTS, STEPS_PER_EPOCH, Script, scheduler_script
 from elastic_harness import Jobs, live_pids, tail, wait_exit, wait_for
+from live_harness import newest_records
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -301,21 +302,6 @@ def _kill_while_training(job: LiveJob, victim: int) -> float:
     return killed
 
 
-def _newest_steps(records: list[dict]) -> dict[tuple[int, str, int], list[dict]]:
-    """(epoch, loop, step) -> the records of the newest generation that trained it without discarding it."""
-    newest: dict[tuple[int, str, int], list[dict]] = {}
-    for record in records:
-        if record["discarded"]:  # a member was lost before every member applied it: trained again
-            continue
-        key = (record["epoch"], record["loop"], record["step"])
-        group = newest.get(key, [])
-        if group and record["generation"] > group[0]["generation"]:
-            group = []
-        if not group or record["generation"] == group[0]["generation"]:
-            newest[key] = group + [record]
-    return newest
-
-
 def _counts(records: list[dict]) -> dict[tuple[int, str], collections.Counter]:
     """(epoch, loop) -> how often each sample was trained."""
     counts: dict[tuple[int, str], collections.Counter] = collections.defaultdict(collections.Counter)
@@ -327,7 +313,7 @@ def _counts(records: list[dict]) -> dict[tuple[int, str], collections.Counter]:
 def _check_steps(script: Script, records: list[dict], victim: int) -> None:
     """Every step was trained, in its newest generation, by all that generation's members (but for the killed
     worker's step after its last record); every sample once per epoch and loop."""
-    newest = _newest_steps(records)
+    newest = newest_records(records, key=lambda record: (record["epoch"], record["loop"], record["step"]))
     victim_last = [r for r in records if r["pid"] == victim][-1]
     unrecorded: dict[tuple[int, str], int] = collections.defaultdict(int)
     for (epoch, loop, step), group in sorted(newest.items()):
@@ -369,7 +355,7 @@ def _check_steps(script: Script, records: list[dict], victim: int) -> None:
 def _check_totals(job: LiveJob, records: list[dict], victim: int) -> None:
     """Each ``synchronized()`` block's count equals the samples the probe recorded for its loop and epoch, on
     every member that ran it, less at most what the killed worker counted in its last recorded step."""
-    newest = _newest_steps(records)
+    newest = newest_records(records, key=lambda record: (record["epoch"], record["loop"], record["step"]))
     trained = {key: sum(counter.values()) for key, counter in
                _counts([r for group in newest.values() for r in group]).items()}
     victim_last = [r for r in records if r["pid"] == victim][-1]

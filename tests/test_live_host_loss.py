@@ -43,7 +43,7 @@ import pytest
 
 from adaptive.runtime.live_protocol import GenerationKeys
 from elastic_harness import live_pids, store, wait_exit, wait_for
-from live_harness import BATCH, LIVE_WORKER, SAMPLES, logs, steps, wait_steps, worker_pids
+from live_harness import BATCH, LIVE_WORKER, SAMPLES, logs, newest_records, steps, wait_steps, without_debug_traceback, worker_pids
 from live_harness import jobs  # noqa: F401  (the fixture)
 
 JOB = "live-host-loss"
@@ -113,42 +113,11 @@ def _processes_in(folder: Path) -> list[int]:
     return found
 
 
-def _without_debug_traceback(log: str) -> str:
-    """``log`` without the traceback the worker keeps at DEBUG for a peer failure (live_worker turns that
-    logger's DEBUG on: it is not something a user sees)."""
-    kept, skipping = [], False
-    for line in log.splitlines():
-        if "adaptive.runtime.peer_failure: the failed collective" in line:
-            skipping = True
-        elif line.startswith(("[pid ", "adaptive-run")):
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)
-
-
 def _transfers(out: Path) -> list[dict]:
     path = out / "transfer.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _newest_records(records) -> dict[tuple[int, int], list[dict]]:
-    """(epoch, step) -> the records of its newest generation that were not discarded (as
-    ``live_harness.check_after_rollbacks``, within one run of the job: generations count from 1 again in a
-    relaunch)."""
-    newest: dict[tuple[int, int], list[dict]] = {}
-    for record in records:
-        if record["discarded"]:
-            continue
-        key = (record["epoch"], record["step"])
-        group = newest.get(key, [])
-        if group and record["generation"] > group[0]["generation"]:
-            group = []
-        if not group or record["generation"] == group[0]["generation"]:
-            newest[key] = group + [record]
-    return newest
 
 
 def _check_resumed(out: Path, epochs: int, relaunched: float, checkpoint) -> None:
@@ -167,8 +136,8 @@ def _check_resumed(out: Path, epochs: int, relaunched: float, checkpoint) -> Non
     # The lost run trained the checkpoint's step from the state the checkpoint holds (every time it trained it).
     lost_run = {r["digest"] for r in before if r["step"] == resumed}
     assert lost_run <= {first["digest"]}, f"resumed from {first['digest']}, the lost run trained it from {lost_run}"
-    newest = _newest_records(r for r in before if r["step"] < resumed)
-    newest.update(_newest_records(after))
+    newest = newest_records(r for r in before if r["step"] < resumed)
+    newest.update(newest_records(after))
     for (epoch, step), group in newest.items():
         assert len(group) == group[0]["world"] and len({r["digest"] for r in group}) == 1, \
             f"epoch {epoch} step {step}: {[(r['pid'], r['generation'], r['world']) for r in group]}"
@@ -278,7 +247,7 @@ def test_losing_the_host_during_a_change_ends_the_others_with_75_and_a_relaunch_
     assert wait_for(lambda: live_pids(host_processes) == [], 10, "the host's processes to be gone")
     assert wait_for(lambda: _processes_in(out) == [], 10, "every process of the job to be gone"), _processes_in(out)
     for log in sorted(out.glob("*.log")):
-        said = _without_debug_traceback(log.read_text(errors="replace"))
+        said = without_debug_traceback(log.read_text(errors="replace"))
         assert "Traceback" not in said, f"{log.name}:\n{said}"
 
     checkpoint = store(out).latest()
@@ -295,4 +264,4 @@ def test_losing_the_host_during_a_change_ends_the_others_with_75_and_a_relaunch_
     assert min(resumed) == checkpoint.info.seq, (resumed, checkpoint.info)
     _check_resumed(out, epochs, relaunched, checkpoint.info)
     for name, text in said.items():
-        assert "Traceback" not in _without_debug_traceback(text), f"{name}:\n{text}"
+        assert "Traceback" not in without_debug_traceback(text), f"{name}:\n{text}"

@@ -21,6 +21,8 @@ from adaptive.runtime.live_protocol import (CURRENT_KEY, HUNG, Generation, Gener
                                             beat_key, dead_key, job_prefix)
 from adaptive.runtime.step import StepContext
 
+from protocol_harness import with_others
+
 
 @pytest.fixture(params=["unsigned", "signed"])
 def store(monkeypatch, request):
@@ -46,14 +48,6 @@ def store(monkeypatch, request):
         del server
 
 
-def _with_others(store, *others: Member) -> Generation:
-    """Make this process a member of a running generation 2 with ``others`` after it."""
-    generation = Generation(2, (membership.membership().me(),) + others)
-    membership.publish(store, generation)
-    membership.enter(generation)
-    return generation
-
-
 def test_the_generation_and_its_members_round_trip_through_json():
     generation = Generation(4, (Member(1, 1, 0), Member(7, 2, 1)), joiners=(7,))
     again = Generation.from_json(generation.to_json())
@@ -65,6 +59,27 @@ def test_formation_publishes_the_generation_running(store):
     assert store.get(CURRENT_KEY).decode() == "1"
     assert store.get(GenerationKeys(1).state).decode() == GenerationState.RUNNING.value
     assert membership.is_member() and membership.generation_number() == 1
+
+
+def test_a_worker_started_after_training_finished_forms_a_generation_without_waiting_for_peers(store, monkeypatch):
+    """A worker its launcher restarted once the job had ended (say, its process aborted at exit) must not wait for
+    the minimum of members, who will never come: once rank 0 said training finished, it forms alone."""
+    membership.mark_finished()
+    membership.mark_ended()
+    monkeypatch.setenv(env.LIVE_MIN_VAR, "3")
+    reset_job()
+    started = time.monotonic()
+    formed = membership.join(10.0)
+    assert formed is not None and formed.number == 2 and formed.members == (membership.membership().me(),)
+    assert time.monotonic() - started < 5
+
+
+def test_without_finished_training_a_formation_waits_for_the_minimum_of_members(store, monkeypatch):
+    membership.mark_ended()
+    monkeypatch.setenv(env.LIVE_MIN_VAR, "3")
+    reset_job()
+    with pytest.raises(TimeoutError, match="no generation of the live job took worker"):
+        membership.join(2.0)
 
 
 def test_admission_takes_only_joiners_that_still_wait_and_live(store):
@@ -96,7 +111,7 @@ def test_rank_0_does_not_wait_for_a_joiner_its_launcher_reported_dead(store):
 
 def test_re_forming_keeps_the_members_that_say_they_live_and_leaves_the_dead(store):
     alive, dead = Member(201, 2, 0), Member(202, 3, 0)
-    current = _with_others(store, alive, dead)
+    current = with_others(store, alive, dead)
     store.set(current.keys.alive(alive.wid), "1")
     store.set(dead_key(dead.wid), "1")
     agreed = reforming.reform_after_loss(timeout=5.0)
@@ -107,7 +122,7 @@ def test_re_forming_keeps_the_members_that_say_they_live_and_leaves_the_dead(sto
 
 def test_a_member_left_out_of_the_first_proposal_is_taken_for_dead(store):
     other = Member(201, 2, 0)
-    current = _with_others(store, other)
+    current = with_others(store, other)
     store.set(current.keys.after_loss, Generation(3, (other,)).to_json())  # the other one proposed first
     store.set(current.keys.alive(other.wid), "1")
     assert reforming.reform_after_loss(timeout=5.0) is None
@@ -129,7 +144,7 @@ def test_meeting_finds_a_member_lost_after_the_generation_was_agreed(store):
 
 def test_a_launchers_report_of_a_dead_member_ends_the_waits_and_is_said_for_the_others(store):
     other = Member(201, 2, 0)
-    current = _with_others(store, other)
+    current = with_others(store, other)
     assert not reforming.loss_reported()
     store.set(dead_key(other.wid), "1")
     time.sleep(reforming.HANG_CHECK_INTERVAL)
@@ -138,7 +153,7 @@ def test_a_launchers_report_of_a_dead_member_ends_the_waits_and_is_said_for_the_
 
 def test_a_member_whose_sign_of_life_stops_is_taken_out_as_hung(store):
     other = Member(201, 2, 0)
-    current = _with_others(store, other)
+    current = with_others(store, other)
     store.add(beat_key(other.wid), 1)  # it gave one sign of life, then stopped
     deadline = time.monotonic() + 10
     while not reforming.loss_reported() and time.monotonic() < deadline:
@@ -159,7 +174,7 @@ def test_a_drain_request_waits_until_served_and_names_its_node_once(store, monke
     from adaptive.elastic import live
     from adaptive.runtime import draining
 
-    _with_others(store, Member(201, 2, 0))  # node 2 has a member (a signed job counts only its members' nodes)
+    with_others(store, Member(201, 2, 0))  # node 2 has a member (a signed job counts only its members' nodes)
     assert draining.pending_drains(store) == 0 and live.drains_seen() == 0
     draining.request_drain(store, 2)
     draining.request_drain(store, 2)  # asked twice: one request
@@ -194,7 +209,7 @@ def _other_votes(store, keys: GenerationKeys, vote: int) -> None:
 
 
 def test_a_step_commits_when_every_member_completed_it_and_the_slots_alternate(store):
-    keys = _with_others(store, OTHER).keys
+    keys = with_others(store, OTHER).keys
     for vote in (1, 2, 3):
         _in_a_step()
         assert step_commit.is_voting()
@@ -206,7 +221,7 @@ def test_a_step_commits_when_every_member_completed_it_and_the_slots_alternate(s
 
 
 def test_a_member_that_lost_a_peer_aborts_the_step_for_everyone_and_says_so(store):
-    keys = _with_others(store, OTHER).keys
+    keys = with_others(store, OTHER).keys
     _in_a_step()
     step_records.record_fault(RuntimeError("Connection closed by peer"))
     assert step_commit.agree() is False and step_records.stream().step_aborted
@@ -216,7 +231,7 @@ def test_a_member_that_lost_a_peer_aborts_the_step_for_everyone_and_says_so(stor
 
 
 def test_a_vote_that_never_comes_from_a_dead_member_aborts_the_step(store, caplog):
-    keys = _with_others(store, OTHER).keys
+    keys = with_others(store, OTHER).keys
     _in_a_step()
     store.set(dead_key(OTHER.wid), "1")  # its launcher reaped it before it voted
     assert step_commit.agree() is False and signed_records.read(store, keys.commit_decision(1)) == "1:abort"
@@ -226,7 +241,7 @@ def test_a_vote_that_never_comes_from_a_dead_member_aborts_the_step(store, caplo
 
 
 def test_the_decision_that_stands_is_the_first_one_written(store):
-    keys = _with_others(store, OTHER).keys
+    keys = with_others(store, OTHER).keys
     _in_a_step()
     store.compare_set(keys.commit_decision(1), "", "1:abort")  # the other member saw a fault first
     assert step_commit.agree() is False  # this member completed the step, and still does not apply it
@@ -235,7 +250,7 @@ def test_the_decision_that_stands_is_the_first_one_written(store):
 def test_a_forged_increment_of_the_votes_commits_nothing_in_a_signed_job(store):
     if not signed_records.is_signed(store):
         pytest.skip("without a secret the counter is the vote (no one but the job reaches the store)")
-    keys = _with_others(store, OTHER).keys
+    keys = with_others(store, OTHER).keys
     _in_a_step()
     foreign = dist.TCPStore("127.0.0.1", env.live_store()[1], is_master=False, wait_for_workers=False)
     dist.PrefixStore(job_prefix(env.job_id()), foreign).add(keys.commit_votes, 1)  # as if the other had voted

@@ -22,6 +22,8 @@ from adaptive.runtime.job import reset_job
 from adaptive.runtime.live_protocol import (DRAINS_PENDING_KEY, HUNG, WORKERS_KEY, Generation, GenerationKeys,
                                             Member, agent_key, beat_key, dead_key, drain_key, job_prefix)
 
+from protocol_harness import with_others
+
 SECRET, OTHER = b"unit-test-secret-0123456789abcdef", b"another-secret-0123456789abcdef"
 JOB = "signed-unit"
 PREFIX = job_prefix(JOB)
@@ -172,17 +174,10 @@ def member(monkeypatch):
         del server
 
 
-def _with_others(store, *others: Member) -> Generation:
-    generation = Generation(2, (membership.membership().me(),) + others)
-    membership.publish(store, generation)
-    membership.enter(generation)
-    return generation
-
-
 def test_forged_reports_of_a_loss_a_death_or_a_hang_change_nothing(member):
     store, forger = member
     other = Member(201, 2, 0)
-    current = _with_others(store, other)
+    current = with_others(store, other)
     forger.set(current.keys.lost, "1")
     forger.set(dead_key(other.wid), signed_records.sign(OTHER, f"{PREFIX}/{dead_key(other.wid)}", HUNG))
     store.set(dead_key(999), "1")  # a valid record of another worker, copied to this one's key below
@@ -214,7 +209,7 @@ def test_a_forged_join_request_is_neither_counted_nor_admitted(member):
 
 def test_a_forged_drain_request_drains_no_node(member):
     store, forger = member
-    _with_others(store, Member(201, 2, 0))
+    with_others(store, Member(201, 2, 0))
     forger.add(DRAINS_PENDING_KEY, 1)
     forger.set(drain_key(2), repr(time.time()))
     assert draining.pending_drains(store) == 0 and not draining.is_drained(store, 2)
@@ -225,7 +220,7 @@ def test_a_forged_drain_request_drains_no_node(member):
 def test_forged_answers_while_re_forming_are_ignored(member):
     store, forger = member
     other = Member(201, 2, 0)
-    current = _with_others(store, other)
+    current = with_others(store, other)
     me = membership.membership().me()
     forger.set(current.keys.alive(other.wid), "1")  # it did not say it lives
     forger.set(current.keys.after_loss, Generation(3, (other,)).to_json())  # a proposal without this member
@@ -243,7 +238,7 @@ def test_an_old_sign_of_life_written_back_does_not_take_a_live_node_for_lost(mem
     agents = membership.membership().agents
     assert agents is not None and signed_records.is_signed(agents)
     other = Member(201, 2, 0)
-    _with_others(store, other)
+    with_others(store, other)
     store.add(beat_key(other.wid), 1)
     old = repr(time.time() - 60)
     agents.set(agent_key(2), old)  # a valid record of that launcher, written back by someone who read it

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from adaptive._utils.checks import check_float
 from adaptive.checkpoint import admission, naming, states
-from adaptive.runtime import env
+from adaptive.runtime import env, membership
 from adaptive.runtime.step import loop_running
 from adaptive.runtime.job import Job, current_job, on_reset
 from adaptive.elastic import random_state, stopping, sync_points
@@ -249,6 +249,7 @@ def _save_finished(state: _EpochState) -> None:
     """
     states.wait_for_pending_save()
     stopping.save_or_exit(dict(_epoch_metadata(state), reason="finished"))
+    membership.mark_finished()  # live mode: a worker restarted from now on finds nothing to train, and needs no peers
     what = "training ended by finish_training()" if state.ended else f"all {state.finished} epochs finished"
     logger.log(logging.INFO if env.rank() == 0 else logging.DEBUG,
                "%s; checkpointed so that a relaunch trains nothing", what)

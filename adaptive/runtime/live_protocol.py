@@ -92,6 +92,9 @@ class Generation:
 
 #: The number of the job's current generation (0 or absent: none yet).
 CURRENT_KEY = "gen"
+#: Written once training finished (the finished checkpoint is on disk): a worker started after that (its launcher
+#: restarted it) forms a generation at once, alone if need be, which finds nothing left to train.
+FINISHED_KEY = "finished"
 #: The counter that gives each worker its id.
 WORKERS_KEY = "workers"
 #: The launchers' counter, which numbers their nodes (on the launchers' store, outside every job's keys).

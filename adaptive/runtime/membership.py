@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Callable
 
 from adaptive.runtime import env, liveness
 from adaptive.runtime.job import Job, current_job, on_reset
-from adaptive.runtime.live_protocol import (CURRENT_KEY, WORKERS_KEY, Generation, GenerationKeys, GenerationState,
+from adaptive.runtime.live_protocol import (CURRENT_KEY, FINISHED_KEY, WORKERS_KEY, Generation, GenerationKeys, GenerationState,
                                             Member, WorkerOf, agent_key, beat_key, dead_key, job_prefix,
                                             worker_claim_key, worker_of_key)
 
@@ -69,9 +69,9 @@ if TYPE_CHECKING:
     import torch.distributed
 
 __all__ = ["LAST_CALL", "AGENT_STALE", "MEET_TIMEOUT", "Membership", "is_live", "is_awaiting_admission", "is_member",
-           "membership", "generation_number", "join", "enter", "mark_failed", "mark_ended", "on_regroup",
-           "notify_regroup", "generation_store", "group_formed", "members_env", "job_store", "read", "publish",
-           "is_dead", "silent_for", "Poll", "connect", "agents_store", "AGENT_UNCHANGED", "CLAIM_ATTEMPTS"]
+           "membership", "generation_number", "join", "enter", "mark_failed", "mark_ended", "mark_finished",
+           "on_regroup", "notify_regroup", "generation_store", "group_formed", "members_env", "job_store", "read",
+           "publish", "is_dead", "silent_for", "Poll", "connect", "agents_store", "AGENT_UNCHANGED", "CLAIM_ATTEMPTS"]
 
 logger = logging.getLogger(__name__)
 
@@ -387,6 +387,8 @@ def _close_formation(store: torch.distributed.Store, keys: GenerationKeys, deadl
             reached = now
         if count >= largest or (reached is not None and now - reached >= LAST_CALL):
             break
+        if count >= 1 and read(store, FINISHED_KEY) is not None:
+            break  # training finished: the candidates there only find that out from the checkpoint
         poll.sleep()
     count = min(int(store.add(keys.candidates, 0)), largest)
     members = sorted(_candidates(store, keys, count), key=lambda m: (m.node, m.local, m.wid))
@@ -497,6 +499,18 @@ def enter(following: Generation) -> int | None:
 def mark_failed() -> None:
     """A member saw a peer die: its generation is over (those waiting to join form the next one)."""
     _mark(GenerationState.FAILED)
+
+
+def mark_finished() -> None:
+    """Training finished and its checkpoint is on disk: a worker started from now on need not wait for others to
+    form a generation (on rank 0, in live mode; nothing elsewhere)."""
+    record = membership()
+    if record.store is None or env.rank() != 0:
+        return
+    try:
+        record.store.set(FINISHED_KEY, "1")
+    except Exception as error:  # the store may be gone with its launcher: nothing left to tell
+        logger.debug("could not mark the live job finished: %s", error)
 
 
 def mark_ended() -> None:

@@ -32,12 +32,13 @@ from adaptive.runtime.membership import Poll
 
 __all__ = ["LossWatchedStore"]
 
+
 class LossWatchedStore(dist.Store):
     """``store``, whose blocking waits fail once ``lost()`` says a member is gone (module docstring).
 
     Args:
         store: the store waited on (a ``PrefixStore`` of the generation's group keys).
-        lost: asked between two slices of a wait; True ends the wait with an error.
+        lost: asked between two looks at the store during a wait; True ends the wait with an error.
         what: what a loss means, for the error's message (e.g. "generation 4 lost a member").
     """
 
