@@ -26,6 +26,7 @@ setup(
         "tensorboard": ["tensorboard>=2.12"],
         "examples": ["scikit-learn>=1.2"],
         "ray": ["ray>=2.40"],
+        "huggingface": ["accelerate>=1.10", "transformers>=4.50"],
     },
     entry_points={
         "console_scripts": [

@@ -166,7 +166,9 @@ def test_a_lost_worker_is_left_behind_in_memory_and_started_again_as_a_joiner(jo
     assert len([key for key in replayed_draws(out) if key[0] == survivor]) <= 1, replayed_draws(out)
     assert live_pids([victim]) == []
     after = [r for r in steps(out) if r["time"] > killed]
-    assert any(r["pid"] == survivor and r["world"] == 1 for r in after), "the survivor did not train alone"
+    # It re-formed alone and trained on in its process (alone for some steps, or at once with the replacement
+    # when that one already asked to join at the re-formed generation's first boundary).
+    assert any(r["pid"] == survivor for r in after), "the survivor did not train on"
     assert any(r["pid"] not in (survivor, victim) and r["world"] == 2 for r in after), "no worker rejoined"
     assert exits(out)[survivor] == 0, "the survivor was restarted"
 

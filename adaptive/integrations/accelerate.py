@@ -1,0 +1,530 @@
+"""AdaptiveAccelerator: an Accelerate script becomes elastic by changing one line.
+
+::
+
+    from adaptive.integrations.accelerate import AdaptiveAccelerator
+
+    accelerator = AdaptiveAccelerator(gradient_accumulation_steps=2)      # was: Accelerator(...)
+    model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, lr_scheduler)
+    for epoch in adaptive.remaining_epochs_until(num_epochs):             # was: range(num_epochs)
+        for batch in train_loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
+
+What the accelerator takes over, and why:
+
+* **The process group.**  ``adaptive.init_process_group()`` runs before
+  Accelerate builds its state.  Accelerate treats a job as distributed on
+  the CPU only through its ``cpu=True`` path (``PartialState`` picks the
+  backend from the device, and a CPU without ``cpu=True`` is "no
+  distributed" even when a gloo group exists), so on a machine without
+  CUDA the accelerator is built with ``cpu=True``: it then adopts the gloo
+  group the library created (``torch.distributed.is_initialized()``) and
+  reports the job's world size.
+* **Data loaders.**  Each ``torch.utils.data.DataLoader`` given to
+  :meth:`AdaptiveAccelerator.prepare` becomes an
+  :class:`~adaptive.AdaptiveDataLoader` over the same dataset, collate
+  function, workers, order (``RandomSampler``: shuffled) and ``drop_last``;
+  Accelerate never wraps it, so the data is sharded once, by the library.
+  The DataLoader's ``batch_size`` is per process, as Accelerate users write
+  it; the *global* batch of the first launch (``batch_size`` x processes x
+  ``gradient_accumulation_steps``; without the processes factor with
+  ``split_batches=True``) is recorded in the checkpoint and kept at every
+  later world size.  An ``AdaptiveDataLoader`` passes through as it is.
+* **Model, optimizer, LR scheduler.**  A model given with its optimizer
+  (and that optimizer's scheduler) becomes one
+  :class:`~adaptive.AdaptiveDataParallel`, which checkpoints them together
+  with the loaders.  The optimizer and scheduler come back wrapped as
+  Accelerate wraps them, but stepping by the loader's plan of micro-steps.
+* **Accumulation.**  ``sync_gradients`` is true exactly on the micro-batch
+  that ends an optimizer step of the running loader;
+  ``gradient_accumulation_steps`` reports the loader's plan; ``backward``
+  does not divide the loss, because the model wrapper already averages the
+  gradient over replicas and micro-steps (as in a plain script).
+* **Metrics.**  :meth:`AdaptiveAccelerator.gather_for_metrics` inside the
+  loop of an ``AdaptiveDataLoader`` returns every sample of the step once,
+  in the loader's global order, dropping the micro-batches that only
+  repeat samples to keep replicas in lock-step.
+
+Accelerate's public API is used throughout; the only private attributes
+are the lists a prepared optimizer and scheduler are registered in, read
+and written in :func:`_register_prepared` (see there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from typing import Any, Iterator, Sequence
+
+try:
+    # accelerate ships no type information (no py.typed): its names are Any to the type checker.
+    import accelerate  # type: ignore[import-untyped]
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
+    from accelerate.scheduler import AcceleratedScheduler  # type: ignore[import-untyped]
+    from accelerate.utils import DistributedType, gather_object, recursively_apply  # type: ignore[import-untyped]
+except ImportError as error:  # the optional extra is missing
+    raise ImportError("adaptive.integrations.accelerate needs Hugging Face Accelerate, which is not installed: "
+                      "pip install adaptive-elastic[huggingface]") from error
+
+import torch
+import torch.utils.data
+
+from adaptive.checkpoint.states import State, load_state
+from adaptive.data._loader_options import options_of
+from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
+from adaptive.parallel.data_parallel import AdaptiveDataParallel
+from adaptive.runtime import env
+from adaptive.runtime.collectives import init_process_group
+
+__all__ = ["AdaptiveAccelerator", "CHECKED_ACCELERATE_VERSIONS"]
+
+logger = logging.getLogger(__name__)
+
+#: The accelerate releases (major.minor) whose private attributes :func:`_register_prepared` was checked on.
+CHECKED_ACCELERATE_VERSIONS = ("1.16",)
+
+#: The checkpointed record of the first launch (see :class:`_FirstLaunch`).
+LAUNCH_STATE_NAME = "adaptive.integrations.accelerate"
+
+#: Accelerate's distributed types that are data parallelism, which AdaptiveDataParallel replaces.
+_SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def _register_prepared(accelerator: Accelerator, kind: str, obj: Any) -> None:
+    """Register a prepared optimizer or scheduler where Accelerate keeps its own.
+
+    ``Accelerator.prepare_optimizer`` and ``prepare_scheduler`` build
+    Accelerate's own wrapper classes and append them to the private lists
+    ``_optimizers`` and ``_schedulers``, which ``save_state``, ``load_state``,
+    ``unscale_gradients``, ``clip_grad_norm_`` and ``free_memory`` walk;
+    no public method registers an instance of a subclass.  Checked on
+    accelerate 1.16.0 (:data:`CHECKED_ACCELERATE_VERSIONS`); this is the
+    only place this module touches a private attribute of accelerate.
+    """
+    attribute = {"optimizer": "_optimizers", "scheduler": "_schedulers"}[kind]
+    registry = getattr(accelerator, attribute, None)
+    if not isinstance(registry, list):
+        raise RuntimeError(f"accelerate {accelerate.__version__} has no list Accelerator.{attribute}; "
+                           f"AdaptiveAccelerator was checked on accelerate {', '.join(CHECKED_ACCELERATE_VERSIONS)}")
+    registry.append(obj)
+
+
+def _check_accelerate_version() -> None:
+    """Log once, as a warning, when the installed accelerate is not one this module was checked on."""
+    found = ".".join(accelerate.__version__.split(".")[:2])
+    if found not in CHECKED_ACCELERATE_VERSIONS:
+        logger.warning("AdaptiveAccelerator was checked on accelerate %s, found %s",
+                       ", ".join(CHECKED_ACCELERATE_VERSIONS), accelerate.__version__)
+
+
+_check_accelerate_version()
+
+
+def _gradients_complete() -> bool:
+    """Whether the micro-batch being trained ends its optimizer step (True outside loader loops).
+
+    The one rule of this module for Accelerate's ``sync_gradients``: the
+    running loader's plan, as the library's optimizer hooks follow it.
+    """
+    loader = current_dataloader()
+    return loader is None or not loader.is_accumulation_step()
+
+
+class _FirstLaunch(State):
+    """The world size and accumulation of the job's first launch, checkpointed.
+
+    The global batch of every loader the accelerator converts is computed
+    from them, so that a relaunch on another number of processes keeps it;
+    the scheduler steps per optimizer step (Accelerate's convention: one per
+    process) are kept for the same reason.
+    """
+
+    def __init__(self, num_processes: int, gradient_accumulation_steps: int) -> None:
+        super().__init__(LAUNCH_STATE_NAME)
+        self.num_processes = num_processes
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.restored = load_state(self)
+        if self.restored and (self.num_processes, self.gradient_accumulation_steps) != (
+                num_processes, gradient_accumulation_steps) and env.rank() == 0:
+            logger.info("first launch: %d processes x %d accumulation steps; now %d processes x %d: the batch "
+                        "sizes and scheduler steps of the first launch are kept", self.num_processes,
+                        self.gradient_accumulation_steps, num_processes, gradient_accumulation_steps)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_processes": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_processes = int(state["num_processes"])
+        self.gradient_accumulation_steps = int(state["gradient_accumulation_steps"])
+
+
+class _AdaptiveOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper, stepping and zeroing by the loader's plan of micro-steps.
+
+    ``step`` and ``zero_grad`` act only on the micro-batch that ends an
+    optimizer step, as Accelerate's do under ``accumulate()``.  The
+    library's own hook on ``zero_grad`` lets it act only on the *first*
+    micro-step (a plain loop zeroes before ``backward``); Accelerate's loop
+    zeroes after ``optimizer.step()`` on the last one, so the optimizer
+    class's ``zero_grad`` is called directly.
+    """
+
+    def step(self, closure: Any = None) -> None:
+        self.gradient_state.sync_gradients = _gradients_complete()
+        super().step(closure)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if not _gradients_complete():
+            return
+        self.gradient_state.sync_gradients = True
+        type(self.optimizer).zero_grad(self.optimizer, set_to_none=True if set_to_none is None else set_to_none)
+
+
+class _AdaptiveScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper, stepping by the loader's plan and the first launch's process count.
+
+    Accelerate steps the scheduler once per process at each optimizer step
+    (``split_batches=False``), because its scripts size schedules in
+    per-process batches.  The global batch here is the first launch's at any
+    world size, so the scheduler steps as many times as the first launch had
+    processes: the schedule follows samples across rescales.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer, *, step_with_optimizer: bool,
+                 split_batches: bool, steps_per_update: int) -> None:
+        super().__init__(scheduler, optimizer, step_with_optimizer=step_with_optimizer, split_batches=split_batches)
+        self.steps_per_update = steps_per_update  # replaces Accelerate's count (the current processes) in step()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not _gradients_complete() or any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.steps_per_update):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
+            if total is not None and self.scheduler.last_epoch >= total:
+                return
+            self.scheduler.step(*args, **kwargs)
+
+
+class AdaptiveAccelerator(Accelerator):
+    """``accelerate.Accelerator`` whose loaders, model and optimizer are elastic (see the module docstring).
+
+    Takes Accelerate's arguments.  Supports data parallelism (DDP) on the
+    CPU (gloo) and on CUDA; DeepSpeed, FSDP, Megatron-LM, TPUs and
+    ``parallelism_config`` are refused with a ``ValueError``.  One
+    ``AdaptiveAccelerator`` per process (its first-launch record is a
+    checkpointed state of fixed name).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        cpu = bool(arguments.get("cpu", False)) or _env_flag("ACCELERATE_USE_CPU")
+        gloo = cpu or not torch.cuda.is_available()
+        init_process_group("gloo" if gloo else None)
+        if gloo:
+            # Accelerate adopts an existing gloo group only on its CPU path (PartialState: MULTI_CPU, which
+            # skips init_process_group when torch.distributed.is_initialized()); elsewhere a CPU run is
+            # "not distributed" and every process would train alone on all the data.
+            arguments["cpu"] = True
+        # Set before Accelerator.__init__, which may read the properties overridden below.
+        self._adaptive_loaders: list[AdaptiveDataLoader] = []
+        self._adaptive_models = 0
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        self._refuse_unsupported()
+        world = torch.distributed.get_world_size()
+        if self.num_processes != world:
+            raise RuntimeError(f"Accelerate sees {self.num_processes} processes but the job's process group has "
+                               f"{world}; launch with adaptive-run or torchrun")
+        self._first_launch = _FirstLaunch(self.num_processes, self.gradient_state.num_steps)
+
+    def _refuse_unsupported(self) -> None:
+        """What AdaptiveDataParallel cannot replace: say which argument asked for it."""
+        if self.distributed_type not in _SUPPORTED_TYPES:
+            raise ValueError(f"AdaptiveAccelerator supports data parallelism on CPU (gloo) or CUDA only; this "
+                             f"Accelerator is configured for {self.distributed_type} (deepspeed_plugin, "
+                             "fsdp_plugin, megatron_lm_plugin or a TPU are not supported)")
+        if self.is_fsdp2 or self.parallelism_config is not None:
+            raise ValueError("AdaptiveAccelerator does not support FSDP2 or parallelism_config yet; drop them (data "
+                             "parallelism is used)")
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self, *args: Any, device_placement: Sequence[bool | None] | None = None) -> Any:
+        """Make each object elastic and return them in the order given (one object: itself, as Accelerate).
+
+        * ``torch.utils.data.DataLoader``: an ``AdaptiveDataLoader`` (see
+          :meth:`prepare_data_loader`); an ``AdaptiveDataLoader``: as it is.
+        * ``torch.nn.Module`` with its optimizer among ``args`` (and that
+          optimizer's LR scheduler, if any): one ``AdaptiveDataParallel``;
+          the optimizer and scheduler are returned wrapped as Accelerate
+          wraps them.  A model given without an optimizer is prepared for
+          evaluation only (device placement, mixed precision).
+        * Anything else is returned unchanged, as Accelerate does.
+
+        Raises:
+            ValueError: an optimizer or scheduler given without its model
+                (or optimizer), a model with several optimizers, or a
+                ``device_placement`` list of the wrong length.
+        """
+        placement: list[bool | None] = [None] * len(args) if device_placement is None else list(device_placement)
+        if len(placement) != len(args):
+            raise ValueError(f"device_placement must have one entry per object ({len(args)}), got "
+                             f"{len(placement)}")
+        result = list(args)
+        for i, obj in enumerate(args):
+            if isinstance(obj, AdaptiveDataLoader):
+                self._adaptive_loaders.append(obj)
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(obj)
+        optimizers = {i: obj for i, obj in enumerate(args) if _is_plain(obj, torch.optim.Optimizer)}
+        schedulers = {i: obj for i, obj in enumerate(args) if _is_scheduler(obj)}
+        used: set[int] = set()
+        for i, obj in enumerate(args):
+            if isinstance(obj, AdaptiveDataParallel) or not _is_plain(obj, torch.nn.Module):
+                continue
+            owned = _optimizers_of(obj, optimizers)
+            if not owned:
+                result[i] = super().prepare_model(obj, device_placement=placement[i], evaluation_mode=True)
+                continue
+            if len(owned) > 1:
+                raise ValueError(f"the model at position {i} of prepare() has {len(owned)} optimizers; "
+                                 "AdaptiveDataParallel takes one optimizer per model")
+            (j,) = owned
+            k = _scheduler_of(optimizers[j], schedulers, j)
+            self._prepare_training(result, placement, i, j, k)
+            used.update({j} if k is None else {j, k})
+        for what, found in (("optimizer", optimizers), ("LR scheduler", schedulers)):
+            stray = sorted(set(found) - used)
+            if stray:
+                raise ValueError(f"the {what} at position {stray[0]} of prepare() has no model among the objects "
+                                 f"given; pass the model, its optimizer and its LR scheduler to the same prepare() "
+                                 f"call (AdaptiveDataParallel checkpoints them together)")
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def _prepare_training(self, result: list[Any], device_placement: list[bool | None], i: int, j: int,
+                          k: int | None) -> None:
+        """Model ``result[i]``, optimizer ``result[j]`` and scheduler ``result[k]`` become the elastic trio."""
+        model, optimizer = result[i], result[j]
+        scheduler = None if k is None else result[k]
+        # Device placement and mixed precision as Accelerate applies them, without its DDP wrapper.
+        model = super().prepare_model(model, device_placement=device_placement[i], evaluation_mode=True)
+        kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+        if self.distributed_type == DistributedType.MULTI_GPU:
+            kwargs.update(device_ids=[self.local_process_index], output_device=self.local_process_index)
+        name = "model" if self._adaptive_models == 0 else f"model{self._adaptive_models}"
+        self._adaptive_models += 1
+        wrapped = AdaptiveDataParallel(model, optimizer, scheduler, self.scaler, name=name, **kwargs)
+        if self.ddp_handler is not None:
+            self.ddp_handler.register_comm_hook(wrapped)
+        placement = self.device_placement if device_placement[j] is None else device_placement[j]
+        prepared_optimizer = _AdaptiveOptimizer(optimizer, device_placement=placement, scaler=self.scaler)
+        _register_prepared(self, "optimizer", prepared_optimizer)
+        result[i], result[j] = wrapped, prepared_optimizer
+        if k is not None:
+            steps = 1 if self.split_batches else self._first_launch.num_processes
+            prepared_scheduler = _AdaptiveScheduler(scheduler, prepared_optimizer, steps_per_update=steps,
+                                                    step_with_optimizer=self.step_scheduler_with_optimizer,
+                                                    split_batches=self.split_batches)
+            _register_prepared(self, "scheduler", prepared_scheduler)
+            result[k] = prepared_scheduler
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> AdaptiveDataLoader:
+        """An ``AdaptiveDataLoader`` over ``data_loader``'s dataset, with the first launch's global batch.
+
+        Keeps the dataset, collate function, workers (and their settings),
+        order (``RandomSampler``: shuffled; ``SequentialSampler``: in order)
+        and ``drop_last``.  A ``generator`` given to the DataLoader seeds the
+        order (its ``initial_seed()``); otherwise the seed is 0: the order
+        must be the same on every process and every launch.  Batches are not
+        moved to a device (``device_placement`` and
+        ``slice_fn_for_dispatch`` are accepted for Accelerate's signature).
+
+        Raises:
+            ValueError: a custom sampler or batch sampler (the order must be
+                the elastic one).
+        """
+        if isinstance(data_loader, AdaptiveDataLoader):
+            self._adaptive_loaders.append(data_loader)
+            return data_loader
+        if not isinstance(data_loader, torch.utils.data.DataLoader):
+            raise TypeError(f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}")
+        shuffle, kwargs = options_of(data_loader, None)
+        per_process = data_loader.batch_size
+        assert per_process is not None  # options_of refused a batch_sampler
+        first = self._first_launch
+        processes = 1 if self.split_batches else first.num_processes
+        global_batch = per_process * processes * first.gradient_accumulation_steps
+        if first.gradient_accumulation_steps > 1 and env.rank() == 0:
+            logger.warning("gradient_accumulation_steps=%d: the loader takes %d samples per optimizer step as one "
+                           "micro-batch per process (%d samples per process on %d processes); AdaptiveDataLoader "
+                           "accumulates sample batches only under loader.autoscale_batch_size("
+                           "gradient_accumulation=True)", first.gradient_accumulation_steps, global_batch,
+                           global_batch // self.num_processes, self.num_processes)
+        seed = data_loader.generator.initial_seed() if data_loader.generator is not None else 0
+        loader = AdaptiveDataLoader(data_loader.dataset, batch_size=global_batch, shuffle=shuffle, seed=seed,
+                                    drop_last=data_loader.drop_last, **kwargs)
+        if env.rank() == 0:
+            logger.info("DataLoader (batch_size=%d per process) -> AdaptiveDataLoader %s: global batch %d "
+                        "(%d per process x %d processes x %d accumulation steps of the first launch%s)",
+                        per_process, loader.name, global_batch, per_process, processes,
+                        first.gradient_accumulation_steps, ", split_batches" if self.split_batches else "")
+        self._adaptive_loaders.append(loader)
+        return loader
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """For evaluation only (``evaluation_mode=True``): a model to train must go through :meth:`prepare`.
+
+        Raises:
+            ValueError: ``evaluation_mode=False``: the model needs its optimizer
+                to become an ``AdaptiveDataParallel``.
+        """
+        if not evaluation_mode:
+            raise ValueError("AdaptiveAccelerator.prepare_model(model) cannot make a model elastic without its "
+                             "optimizer: call prepare(model, optimizer[, lr_scheduler]) (or pass "
+                             "evaluation_mode=True for a model that is not trained)")
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """Refused: the optimizer is prepared with its model by :meth:`prepare`."""
+        raise ValueError("AdaptiveAccelerator prepares an optimizer together with its model: call "
+                         "prepare(model, optimizer[, lr_scheduler])")
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Refused: the LR scheduler is prepared with its model and optimizer by :meth:`prepare`."""
+        raise ValueError("AdaptiveAccelerator prepares an LR scheduler together with its model and optimizer: "
+                         "call prepare(model, optimizer, lr_scheduler)")
+
+    # ------------------------------------------------------------------ accumulation
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-batch that ends an optimizer step of the running loader (and outside loops)."""
+        return _gradients_complete()
+
+    @sync_gradients.setter
+    def sync_gradients(self, sync_gradients: bool) -> None:
+        self.gradient_state.sync_gradients = sync_gradients
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches of the current optimizer step (inside a loop), else of the next step of the
+        first loader prepared; Accelerate's setting when no loader was prepared."""
+        loader = current_dataloader()
+        if loader is not None and loader.micro_step is not None:
+            return loader.micro_step[1]
+        if self._adaptive_loaders:
+            return self._adaptive_loaders[0].accumulation_steps
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, gradient_accumulation_steps: int) -> None:
+        raise AttributeError("AdaptiveAccelerator.gradient_accumulation_steps follows the loader's plan and cannot "
+                             "be set; pass gradient_accumulation_steps= to the constructor (it sizes the global "
+                             "batch), or let loader.autoscale_batch_size(..., gradient_accumulation=True) choose")
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Accelerate's accumulation context, following the running loader's plan of micro-steps.
+
+        The model wrapper already skips the gradient all-reduce on every
+        micro-batch but the last of a step, so nothing else is needed here.
+        """
+        self.gradient_state.sync_gradients = _gradients_complete()
+        yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` (through the AMP scaler with fp16), *not* divided by the accumulation steps.
+
+        The model wrapper averages the gradient over replicas and micro-steps
+        itself, so a mean loss per micro-batch gives the step's mean gradient.
+        """
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    # ------------------------------------------------------------------ metrics
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Every process's ``input_data``, each sample of the loader's step once.
+
+        Inside the loop of an ``AdaptiveDataLoader``: the processes' rows are
+        concatenated in rank order (the loader's global order within the
+        step), processes hold different numbers of rows at the end of an
+        epoch, and a micro-batch that only repeats samples (``is_padding``)
+        contributes none.  Tensors (nested in lists, tuples, dicts) are
+        gathered along dimension 0; other data, or ``use_gather_object=True``,
+        must be a list (``gather_object``).  Outside such a loop:
+        Accelerate's own ``gather_for_metrics``.
+        """
+        loader = current_dataloader()
+        if loader is None:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        drop = loader.is_padding
+        if not use_gather_object:
+            try:
+                recursively_apply(lambda tensor: tensor, input_data, error_on_other_type=True)
+            except TypeError:
+                use_gather_object = True
+        if use_gather_object:
+            if not isinstance(input_data, list):
+                raise TypeError(f"gather_for_metrics: input_data must be tensors or a list, got "
+                                f"{type(input_data).__name__}")
+            local = [] if drop else input_data
+            return local if self.num_processes == 1 else gather_object(local)
+        return recursively_apply(lambda tensor: self._gather_rows(tensor, drop), input_data)
+
+    def _gather_rows(self, tensor: torch.Tensor, drop: bool) -> torch.Tensor:
+        """Every process's rows of ``tensor`` (dimension 0, none when ``drop``), concatenated in rank order."""
+        rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        if drop:
+            rows = rows[:0]
+        if self.num_processes == 1:
+            return rows
+        counts = self.gather(torch.tensor([rows.shape[0]], device=rows.device)).tolist()
+        gathered = self.gather(self.pad_across_processes(rows, dim=0))
+        width = max(counts)
+        return torch.cat([gathered[rank * width:rank * width + count] for rank, count in enumerate(counts)])
+
+
+def _env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to a true value, as Accelerate reads its flags."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _is_plain(obj: Any, kind: type) -> bool:
+    """``obj`` is a ``kind`` and not one of Accelerate's wrappers (those are returned unchanged)."""
+    return isinstance(obj, kind) and not isinstance(obj, AcceleratedOptimizer)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    """A torch LR scheduler (``LRScheduler``, or ``ReduceLROnPlateau`` on torch releases where it is not one)."""
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def _optimizers_of(model: torch.nn.Module, optimizers: dict[int, torch.optim.Optimizer]) -> list[int]:
+    """Positions of the optimizers whose parameters all belong to ``model``."""
+    params = {id(param) for param in model.parameters()}
+    return [i for i, optimizer in optimizers.items()
+            if all(id(param) in params for group in optimizer.param_groups for param in group["params"])]
+
+
+def _scheduler_of(optimizer: torch.optim.Optimizer, schedulers: dict[int, Any], position: int) -> int | None:
+    """The position of the scheduler stepping ``optimizer`` (None if none was given)."""
+    owned = [k for k, scheduler in schedulers.items() if getattr(scheduler, "optimizer", None) is optimizer]
+    if len(owned) > 1:
+        raise ValueError(f"the optimizer at position {position} of prepare() has {len(owned)} LR schedulers; "
+                         "AdaptiveDataParallel checkpoints one")
+    return owned[0] if owned else None
