@@ -29,8 +29,9 @@ LAYERS = {
     "batchsize": 6,
     "parallel": 7,
     "data": 8,
+    "integrations": 9,
 }
-TOP = 9  # adaptive/__init__.py and adaptive/__main__.py
+TOP = 10  # adaptive/__init__.py and adaptive/__main__.py
 
 
 def _module_name(path: Path) -> str:
