@@ -64,8 +64,7 @@ def test_formation_publishes_the_generation_running(store):
 def test_a_worker_started_after_training_finished_forms_a_generation_without_waiting_for_peers(store, monkeypatch):
     """A worker its launcher restarted once the job had ended (say, its process aborted at exit) must not wait for
     the minimum of members, who will never come: once rank 0 said training finished, it forms alone."""
-    membership.mark_finished()
-    membership.mark_ended()
+    membership.mark_finished()  # the generation itself may still be marked running (its members are ending)
     monkeypatch.setenv(env.LIVE_MIN_VAR, "3")
     reset_job()
     started = time.monotonic()

@@ -458,8 +458,11 @@ def _ask(store: torch.distributed.Store, number: int, me: Member, deadline: floa
 
 
 def _lives(store: torch.distributed.Store, number: int) -> bool:
-    """Whether generation ``number`` may still admit: not ended, and (when a member reported a loss) some
-    member is not known dead, for the others may be re-forming without the lost one."""
+    """Whether generation ``number`` may still admit: training has not finished, the generation has not ended,
+    and (when a member reported a loss) some member is not known dead, for the others may be re-forming
+    without the lost one."""
+    if read(store, FINISHED_KEY) is not None:
+        return False  # training finished: a worker started now forms a generation at once, which trains nothing
     keys = GenerationKeys(number)
     state = read(store, keys.state)
     if state in (GenerationState.RUNNING.value, GenerationState.CLOSED.value):
