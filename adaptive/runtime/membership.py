@@ -200,12 +200,12 @@ class Poll:
 def generation_store(number: int) -> torch.distributed.Store:
     """The store the process group of generation ``number`` rendezvouses on.
 
-    A connection of its own whose waits end after :data:`MEET_TIMEOUT`: the
-    members met on the store first (:func:`adaptive.runtime.reforming.meet`),
-    so a rendezvous that takes longer waits for a member lost since, and
-    fails instead of waiting for the collective timeout.  Once the group
-    exists, :func:`group_formed` lets the groups built later on it (side
-    groups, meshes) wait as long as a collective may.
+    A connection of its own, whose default timeout is :data:`MEET_TIMEOUT`
+    until the group exists; :func:`group_formed` then lets the groups built
+    later on it (side groups, meshes) wait as long as a collective may.  gloo
+    passes its own timeout to the rendezvous' waits: what ends them early
+    when a member is lost is the wrapper they run through
+    (:class:`adaptive.runtime.watched_store.LossWatchedStore`).
     """
     import torch.distributed as dist
 
