@@ -261,6 +261,23 @@ def test_measure_interval(process_group):
         assert gns.num_updates == expected
 
 
+def test_a_regroup_folds_the_last_measurement_before_the_schedule_restarts(process_group):
+    """After a membership change every member measures from step 0, as a joiner does.
+
+    The step measured last before the change is still pending (it is folded
+    when the next step starts); folded after the restart, its agreed
+    interval would put the next measurement after its own step number, and
+    this member would skip steps the joiner measures (a hang in live mode).
+    """
+    problem = Problem(seed=17)
+    ddp, optimizer, gns = _setup(problem, accum=2, gns_kwargs={"measure_interval": 1})
+    train(problem, ddp, optimizer, 6, accum=2, seed=18)  # steps 0-5 measured, step 5's record pending
+    gns.follow_group(dist.group.WORLD, 1)
+    gns.set_batch_config(init_batch_size=LOCAL_BSZ, local_bsz=LOCAL_BSZ, accum_steps=2)
+    train(problem, ddp, optimizer, 3, accum=2, seed=19)
+    assert gns.num_updates == 9  # every step measured, before and after the change
+
+
 def test_readouts_before_measurement_and_state_dict(process_group):
     problem = Problem(seed=15)
     ddp, optimizer, gns = _setup(problem, accum=2)

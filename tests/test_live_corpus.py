@@ -70,9 +70,7 @@ The steps sleep a little (``CORPUS_STEP_SLEEP``) until the killed worker's
 restart trains, so that the job outlasts the sequence on a busy machine;
 then they run at full speed to the end.
 
-dcgan fails at times for a library bug (:data:`GNS_JOIN_HANG`); such a
-failure, recognised by a line of the logs, is reported as an xfail naming
-the bug, any other failure fails.
+It found two library bugs, each with its own test now:
 ``test_a_joiner_admitted_after_a_loops_last_step_still_runs_the_loop_body``
 checks the fix of another one this test found: a join agreed after a loop's
 last step is made at the next loop's first boundary, so that the joiner
@@ -85,7 +83,6 @@ jobs load them); CI runs two of the fastest (``ci_sample``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import math
@@ -115,15 +112,6 @@ SETTLE_STEPS = 3
 #: a busy machine (each node's start-up then takes 5-10 s); the epochs left after it run at full speed.
 EPOCHS = 12
 
-#: Library bugs this test found (see the reasons), by a line the failing run's logs hold.
-GNS_JOIN_HANG = (
-    "library bug: after a join, dcgan's two members (two wrappers; netD is backpropagated through three times per "
-    "step) wait in netG's buffer broadcast (AdaptiveDataParallel._broadcast_buffers) in the first step: their "
-    "collectives went out of step before it, in the noise-scale measurement (with gns_interval=1 every join hangs, "
-    "with measurements off none does); at the collective timeout netD's next forward raises 'Application timeout "
-    "caused pair closure' from DDP's reducer._rebuild_buckets(), uncaught, on both")
-
-
 @dataclasses.dataclass(frozen=True)
 class LiveCase:
     """A corpus script, how to run it for the sequence, and what its records must satisfy."""
@@ -137,10 +125,6 @@ class LiveCase:
     lr_after: Callable[[int], float] | None = None
     #: SIGKILL only in the probe's pause after a step (two optimizers per step: see the module docstring)
     kill_between_steps: bool = False
-    #: more environment for the launchers
-    env: tuple[tuple[str, str], ...] = ()
-    #: library bugs that make this case fail at times: (a line its logs then hold, the reason to report)
-    known_failures: tuple[tuple[str, str], ...] = ()
 
 
 def _epochs(script: Script, *args: str) -> Script:
@@ -184,9 +168,7 @@ CASES: dict[str, LiveCase] = {
                        "train=0.2", lr_after=lambda epoch: 0.1),  # its MultiStepLR is never stepped
     "dcgan": LiveCase(_epochs(PORTS["dcgan"]), "train=0.4", counted=(("train", "train", "n"),),
                       lr_after=lambda epoch: 0.0005,  # StepLR(15) stepped per epoch: not in 12 epochs
-                      kill_between_steps=True,
-                      env=(("ADAPTIVE_COLLECTIVE_TIMEOUT", "20"),),  # GNS_JOIN_HANG ends in 20 s, not 60
-                      known_failures=(("Application timeout caused pair closure", GNS_JOIN_HANG),)),
+                      kill_between_steps=True),
     "lr_schedules": LiveCase(_ONECYCLE, "train=0.1,valid=0.05",
                              counted=(("train", "train", "n"), ("valid", "valid", "n")), lr_after=_onecycle_lr),
 }
@@ -211,8 +193,7 @@ class LiveJob:
                str(script.path), *script.args]
         knobs = {"CORPUS_OUT": str(self.out), "CORPUS_LAUNCH": str(index), "ADAPTIVE_CHECKPOINT_INTERVAL": "0",
                  "ADAPTIVE_SHARE_PATH": str(self.out / "share"), "ADAPTIVE_PROGRESS_INTERVAL": "0",
-                 "CORPUS_STEP_SLEEP": self.case.step_sleep, "CORPUS_STEP_SLEEP_UNTIL": str(self.full_speed),
-                 **dict(self.case.env)}
+                 "CORPUS_STEP_SLEEP": self.case.step_sleep, "CORPUS_STEP_SLEEP_UNTIL": str(self.full_speed)}
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.log(index), "ab") as log:
             proc = subprocess.Popen(cmd, env=self.jobs.env(self.out, **knobs), stdout=log, stderr=subprocess.STDOUT,
@@ -394,19 +375,6 @@ def _no_tracebacks(job: LiveJob) -> None:
                                  f"{text[-3000:]}")
 
 
-@contextlib.contextmanager
-def _known_library_failures(job: LiveJob):
-    """A failure whose logs show one of the case's known library bugs is an xfail that names the bug."""
-    try:
-        yield
-    except AssertionError:
-        said = job.log_text()
-        for line, reason in job.case.known_failures:
-            if line in said:
-                pytest.xfail(reason)
-        raise
-
-
 @pytest.fixture
 def jobs(tmp_path):
     started = Jobs(tmp_path)
@@ -419,40 +387,39 @@ def jobs(tmp_path):
 def test_a_corpus_script_joins_leaves_and_loses_a_worker_under_live(jobs, tmp_path, name):
     case = CASES[name]
     job = LiveJob(jobs, case, tmp_path / "job")
-    with _known_library_failures(job):
-        # 1. node 0 trains alone.
-        node0 = job.start(restarts=1)
-        records = job.wait("node 0 to train", lambda rs: _trained(rs, "L00-R00") >= SETTLE_STEPS)
-        first = _pid(records, "L00-R00")
+    # 1. node 0 trains alone.
+    node0 = job.start(restarts=1)
+    records = job.wait("node 0 to train", lambda rs: _trained(rs, "L00-R00") >= SETTLE_STEPS)
+    first = _pid(records, "L00-R00")
 
-        # 2. join: node 1's worker trains with node 0's.
-        node1 = job.start()
-        records = job.wait("node 1 to join", lambda rs: _trained(rs, "L01-R00", world=2) >= SETTLE_STEPS)
-        joiner = _pid(records, "L01-R00")
+    # 2. join: node 1's worker trains with node 0's.
+    node1 = job.start()
+    records = job.wait("node 1 to join", lambda rs: _trained(rs, "L01-R00", world=2) >= SETTLE_STEPS)
+    joiner = _pid(records, "L01-R00")
 
-        # 3. leave: SIGTERM to node 1's launcher; its worker ends with 143, node 0's trains on alone.
-        job.ending.add(1)
-        left = time.time()
-        node1.send_signal(signal.SIGTERM)
-        assert wait_exit(node1, 60, job.log(1)) == 143, job.logs()
-        assert live_pids([joiner]) == [], "the leaver's worker still runs"
-        job.wait("node 0 to train alone after the leave",
-                 lambda rs: _trained(rs, "L00-R00", world=1, after=left) >= 2)
+    # 3. leave: SIGTERM to node 1's launcher; its worker ends with 143, node 0's trains on alone.
+    job.ending.add(1)
+    left = time.time()
+    node1.send_signal(signal.SIGTERM)
+    assert wait_exit(node1, 60, job.log(1)) == 143, job.logs()
+    assert live_pids([joiner]) == [], "the leaver's worker still runs"
+    job.wait("node 0 to train alone after the leave",
+             lambda rs: _trained(rs, "L00-R00", world=1, after=left) >= 2)
 
-        # 4. node 2 joins.
-        node2 = job.start()
-        records = job.wait("node 2 to join", lambda rs: _trained(rs, "L02-R00", world=2) >= SETTLE_STEPS)
-        survivor = _pid(records, "L02-R00")
+    # 4. node 2 joins.
+    node2 = job.start()
+    records = job.wait("node 2 to join", lambda rs: _trained(rs, "L02-R00", world=2) >= SETTLE_STEPS)
+    survivor = _pid(records, "L02-R00")
 
-        # 5. kill: node 0's worker (rank 0); node 2's re-forms without it, node 0's launcher starts it again.
-        killed = _kill_while_training(job, first)
-        assert wait_for(lambda: live_pids([first]) == [], 10, "the killed worker to be gone")
-        job.wait("node 0's restarted worker to join", lambda rs: _trained(rs, "L00-R01", world=2) >= 1)
-        job.full_speed.touch()  # the sequence is done: the steps stop sleeping
-        job.ending.update({0, 2})
-        for index, node in ((0, node0), (2, node2)):
-            assert wait_exit(node, 240, job.log(index)) == 0, job.logs()
-        _no_tracebacks(job)
+    # 5. kill: node 0's worker (rank 0); node 2's re-forms without it, node 0's launcher starts it again.
+    killed = _kill_while_training(job, first)
+    assert wait_for(lambda: live_pids([first]) == [], 10, "the killed worker to be gone")
+    job.wait("node 0's restarted worker to join", lambda rs: _trained(rs, "L00-R01", world=2) >= 1)
+    job.full_speed.touch()  # the sequence is done: the steps stop sleeping
+    job.ending.update({0, 2})
+    for index, node in ((0, node0), (2, node2)):
+        assert wait_exit(node, 240, job.log(index)) == 0, job.logs()
+    _no_tracebacks(job)
 
     records = job.samples()
     # PIDs, from the records: one process per launch, one restart on node 0, no other.
@@ -478,7 +445,7 @@ def test_a_joiner_admitted_after_a_loops_last_step_still_runs_the_loop_body(jobs
     base = CASES["dcgan"]
     case = dataclasses.replace(base, script=dataclasses.replace(base.script, args=("--epochs", "200", "--size", "128"),
                                                                 epochs=200, sizes=(("train", 128),)),
-                               step_sleep="train=0.2", known_failures=())
+                               step_sleep="train=0.2")
     job = LiveJob(jobs, case, tmp_path / "job")
     nodes = [job.start()]
     job.wait("node 0 to train", lambda rs: _trained(rs, "L00-R00") >= 2)

@@ -40,8 +40,10 @@ exists, so that a test can slow a job down while it acts on it and let it finish
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import time
 from typing import Any, Mapping
 
@@ -53,6 +55,9 @@ PAUSE_AT = set(filter(None, os.environ.get("CORPUS_PAUSE_AT", "epoch-end").split
 STEP_SLEEP = {loop: float(seconds) for loop, _, seconds in
               (item.partition("=") for item in os.environ.get("CORPUS_STEP_SLEEP", "").split(",") if item)}
 STEP_SLEEP_UNTIL = os.environ.get("CORPUS_STEP_SLEEP_UNTIL")
+
+if OUT is not None:  # under a test: SIGUSR1 writes every thread's Python stack to stderr (a hang's whereabouts)
+    faulthandler.register(signal.SIGUSR1)
 
 
 def _rank() -> int:

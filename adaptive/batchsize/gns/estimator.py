@@ -244,10 +244,19 @@ class GradientNoiseScale:
         it, and the next :meth:`set_batch_config` must reach the probe also
         when the replica count did not change (a join and a leave at one
         boundary), or this member would not measure the step a joiner measures.
+
+        The last measured step not yet folded in is folded in first, on the
+        schedule it was measured under: folded later, its agreed interval
+        would set the restarted schedule's next measurement from a step
+        counted before the change (step 57's, say), and this member would
+        skip the steps a joiner, whose schedule starts at 0, measures, and
+        all-reduce out of step with it (a model whose loader reads another
+        wrapper's noise scale is not folded at the change's boundary).
         """
         if isinstance(self._probe, BackwardProbe):
-            self._probe.follow_group(process_group, world_size)
             with self._lock:
+                self._flush()
+                self._probe.follow_group(process_group, world_size)
                 self._config = None
 
     def _check_replicas(self, world_size: int) -> None:
