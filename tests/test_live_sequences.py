@@ -55,6 +55,9 @@ CHANGES, MOST = 5, 4
 RESTARTS = 3
 #: The script's extras on odd seeds: a barrier and a validation loop, autoscale with accumulation.
 EXTRAS = {"WORKER_EVAL": "1", "WORKER_AUTOSCALE": "48,4,16,1,3"}
+#: Loaders sized otherwise: a ramp-up of the global batch (in samples consumed over the job, 480 an epoch) that
+#: grows while the changes are dealt, and a token budget (samples of 1-5 tokens, 40 per micro-batch, 2 micro-batches).
+SIZINGS = {"ramp-up": {"WORKER_RAMPUP": "0:8 1500:16 4000:24"}, "tokens": {"WORKER_TOKENS": "40,2"}}
 
 
 class Cluster:
@@ -159,9 +162,20 @@ def _restart_path_after_a_kill(out: Path, killed: dict[int, float]) -> set[int]:
 @pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.ci_sample), pytest.param(1, marks=pytest.mark.ci_sample),
                                   *range(2, 12)])
 def test_a_seeded_sequence_of_joins_leaves_and_kills(jobs, tmp_path, seed):
+    _run_sequence(jobs, tmp_path, seed, dict(SETTINGS, **(EXTRAS if seed % 2 else {})))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizing", [pytest.param(name, marks=pytest.mark.ci_sample) for name in sorted(SIZINGS)])
+def test_a_sequence_with_a_ramp_up_or_a_token_budget(jobs, tmp_path, sizing):
+    """The same, with the batch sized by a ramp-up schedule (it grows during the changes) or by a token budget
+    (every step holds another number of samples, different on each replica)."""
+    _run_sequence(jobs, tmp_path, 3, dict(SETTINGS, **SIZINGS[sizing]))
+
+
+def _run_sequence(jobs, tmp_path: Path, seed: int, settings: dict[str, str]) -> None:
     out, port = tmp_path / "job", portpicker.pick_unused_port()
     rng = random.Random(seed)
-    settings = dict(SETTINGS, **(EXTRAS if seed % 2 else {}))
     cluster = Cluster(jobs, out, port, settings)
     cluster.start(1)  # node0 first: its launcher hosts the job's store (a node that leaves must not)
     _trains_at(out, 1, 0.0, False, "the first member to train")

@@ -8,6 +8,10 @@ Environment knobs (all optional but WORKER_OUT):
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.05)
     WORKER_LOADER_WORKERS  DataLoader worker processes per rank (default 0)
     WORKER_AUTOSCALE    "max_batch,lo,hi,accumulation(0/1),adapt_every" turns on autoscale
+    WORKER_RAMPUP       a ramp-up of the global batch in consumed samples ("0:8 300:16 900:24"): the loader's
+                        ``batch_size_schedule``
+    WORKER_TOKENS       "max_tokens,accumulation_steps": a token budget per replica's micro-batch instead of a
+                        global batch of samples; sample ``i`` counts ``1 + i % 5`` tokens
     WORKER_EVAL         "1": the usual extras of a script: rank 0 prepares the data while the others wait
                         in a barrier, and every epoch a validation loop counts its samples in an
                         Accumulator created in that epoch (rank 0 appends them to ``val.jsonl``)
@@ -65,6 +69,8 @@ EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.05"))
 LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 AUTOSCALE = os.environ.get("WORKER_AUTOSCALE")
+RAMPUP = os.environ.get("WORKER_RAMPUP")
+TOKENS = os.environ.get("WORKER_TOKENS")
 EVAL = os.environ.get("WORKER_EVAL") == "1"
 TRANSFER_LOG = os.environ.get("WORKER_TRANSFER_LOG") == "1"
 SLOW_JOIN = float(os.environ.get("WORKER_SLOW_JOIN", "0"))
@@ -163,8 +169,14 @@ def build_model():
 
 
 def build_loaders():
-    loader = adaptive.AdaptiveDataLoader(IndexDataset(), batch_size=BATCH, shuffle=True, seed=7,
-                                         num_workers=LOADER_WORKERS, persistent_workers=LOADER_WORKERS > 0)
+    if TOKENS:
+        max_tokens, accumulation = (int(v) for v in TOKENS.split(","))
+        sizing = {"max_tokens": max_tokens, "accumulation_steps": accumulation,
+                  "lengths": [1 + i % 5 for i in range(SAMPLES)]}
+    else:
+        sizing = {"batch_size": None if RAMPUP else BATCH, "batch_size_schedule": RAMPUP}
+    loader = adaptive.AdaptiveDataLoader(IndexDataset(), shuffle=True, seed=7, num_workers=LOADER_WORKERS,
+                                         persistent_workers=LOADER_WORKERS > 0, **sizing)
     if AUTOSCALE:
         max_batch, lo, hi, accumulation, every = (int(v) for v in AUTOSCALE.split(","))
         loader.autoscale_batch_size(max_batch, (lo, hi), gradient_accumulation=bool(accumulation),
@@ -211,9 +223,11 @@ def main():
             optimizer.step()
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
             if ends_step:
-                model.module.steps += 1
+                discarded = step_records.discarded()
+                if not discarded:  # a discarded step is trained again: counted then (the buffer is not rolled back)
+                    model.module.steps += 1
                 scheduler.step()
-                append_jsonl(log, {"pid": os.getpid(), "ended": True, "discarded": step_records.discarded()})
+                append_jsonl(log, {"pid": os.getpid(), "ended": True, "discarded": discarded})
                 indices, digest, draw = [], None, None
             time.sleep(STEP_SLEEP)
         if val_loader is not None:
