@@ -339,3 +339,20 @@ def test_replicas_agree_about_every_agreement_interval_and_stop_together(job, mo
             sync_points.step_boundary(dict)
     assert stopped.value.code == sync_points.GRACEFUL_EXIT_CODE and boundary <= 2 * 3
     assert [info["reason"] for info in saved] == ["stop"]
+
+
+def test_a_live_copy_brings_back_the_learning_rate_a_discarded_step_scheduled(job):
+    """A step a lost member discarded is trained again from the last commit point: its LR scheduler stepped
+    once, and a scheduler that scales the current LR (StepLR) must not scale it twice when it steps again."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    wrapped = adaptive.AdaptiveDataParallel(model, optimizer, scheduler)
+    state = wrapped._state
+    committed = state.live_copy()  # the commit point: after a step, before the next
+    scheduler.step()  # the step in flight, discarded: its scheduler stepped
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    state.restore_live_copy(committed)
+    assert optimizer.param_groups[0]["lr"] == 1.0 and scheduler.last_epoch == 0
+    scheduler.step()  # the same step, trained again
+    assert optimizer.param_groups[0]["lr"] == 0.5

@@ -131,9 +131,6 @@ def _newest(out: Path) -> list[list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a lost member of a sharded job restarts everyone from the checkpoint since "
-                   "the step commit: resharding in memory after a loss left the survivors' state differing from the "
-                   "last committed step's (a known gap; the loss takes the restart path, exact)")
 def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
     """HSDP (2, 2), with a DataLoader worker per rank, rank 0 preparing the data behind a barrier and a
     validation loop per epoch: SIGKILL of one worker of the second node. Every replica group holds every
@@ -172,7 +169,8 @@ def test_hsdp_loses_a_member_and_the_others_recover_in_memory(jobs, tmp_path):
     assert live_pids([victim] + victim_loader_workers) == []
     after = [r for r in steps(out) if r["time"] > killed and not r["discarded"]]
     survivors = set(before.values()) - {victim}
-    assert {r["pid"] for r in after if r["world"] == 3} == survivors, "the members that were left did not go on"
+    # (they may admit the restarted worker at their first boundary, before training a step as three)
+    assert survivors <= {r["pid"] for r in after}, "the members that were left did not go on"
     replacement = {r["pid"] for r in after if r["pid"] not in before.values()}
     assert len(replacement) == 1, f"not one worker rejoined: {replacement}"
     ended = exits(out)

@@ -14,8 +14,11 @@ process groups instead:
   leavers included, still holds it (:func:`gather_sharded_states`), and
   sharded anew for the new members from that copy
   (:func:`reshard_sharded_states`; see :mod:`adaptive.checkpoint.peer_shards`);
-* after a lost member there is no old group to gather from: a sharded job
-  restarts every member from the checkpoint instead.
+* after a lost member there is no old group to gather from: each member
+  that is left copies its own shards, which every member left as the last
+  committed step made them (:func:`copy_local_shards`), and they join their
+  copies into a whole one on the new rank 0 and shard it anew
+  (:func:`recover_sharded_states`).
 
 Each function walks the registered states in registration order, the same
 on every member, which is the order of their collectives.  The states
@@ -29,11 +32,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from adaptive.checkpoint import peer_state, states
+from adaptive.checkpoint import peer_shards, peer_state, states
 from adaptive.runtime import env
 from adaptive.runtime.step import stream
 
-__all__ = ["share_with_joiners", "sharded_states", "gather_sharded_states", "reshard_sharded_states"]
+__all__ = ["share_with_joiners", "sharded_states", "gather_sharded_states", "reshard_sharded_states",
+           "copy_local_shards", "recover_sharded_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,3 +78,25 @@ def reshard_sharded_states(gathered: dict[str, Any]) -> None:
     """At a live change, on the new group: every sharded state resharded for the new members from rank 0's copy."""
     for state in sharded_states():
         state.reshard_for_peers(gathered.get(state.name))
+
+
+def copy_local_shards() -> dict[str, Any]:
+    """Live mode, after a lost member: every sharded state's local shards, copied (no communication)."""
+    return {state.name: state.copy_local_shards() for state in sharded_states()}
+
+
+def recover_sharded_states(copies: dict[str, Any]) -> None:
+    """After a lost member, on the group of the members that are left: every sharded state resharded for
+    them from their ``copies`` (:func:`copy_local_shards`: each member's shards at the same committed step).
+
+    Raises:
+        peer_shards.ShardsLost: on every member, before any state changed,
+            when the lost members held every copy of some shard.
+    """
+    sharded = sharded_states()
+    missing = [state.name for state in sharded if state.name not in copies]
+    if missing:  # the same on every member: the same states are registered on each
+        raise peer_shards.ShardsLost(f"no copy holds the shards of {missing}")
+    gathered = {state.name: peer_shards.gather_from_copies(copies[state.name]) for state in sharded}
+    for state in sharded:
+        state.reshard_for_peers(gathered[state.name])

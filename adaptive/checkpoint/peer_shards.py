@@ -21,24 +21,31 @@ This is the in-memory counterpart of a restart that reshards from the DCP
 checkpoint (:class:`~adaptive.checkpoint.states.ShardedState`); it costs one
 full copy of the sharded state in rank 0's host memory during the change.
 
-When a member is *lost* the old group is broken and nothing is gathered:
-the job restarts every member from the checkpoint, resharded for the
-replicas there are (:func:`adaptive.elastic.live.recover`).
+When a member is *lost* the old group is broken, so the full copy is built
+from local copies instead: after the members that are left re-formed, each
+copies its own shards to host memory (:func:`copy_local`; every member holds
+them as the last committed step left them), :func:`gather_from_copies` finds, for every shard, a member
+that holds a copy of it (with HSDP, every replica group holds all of them)
+and sends those copies to the new rank 0, which joins them into the full
+copy that :func:`fill_from_rank0` scatters.  When the lost members held
+every copy of some shard (1-D FSDP), :class:`ShardsLost` is raised on every
+member alike and the job restarts from the checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
-from typing import Callable, cast
+from typing import Callable, Iterator, cast
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from adaptive._utils.types import StateDict
 from adaptive.runtime import collectives, env
 
-__all__ = ["gather_full", "fill_from_rank0"]
+__all__ = ["gather_full", "fill_from_rank0", "copy_local", "gather_from_copies", "ShardsLost"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +145,38 @@ def _scatter(spec: _Sharded, aim: object, source: torch.Tensor | None) -> torch.
     return whole
 
 
+# ---------------------------------------------------------------- after a lost member: from local copies
+class ShardsLost(RuntimeError):
+    """Some shard of the sharded state has no copy among the members that are left (raised on every member)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalShard:
+    """In a local copy: this rank's part of a DTensor, on the host, and which part it is."""
+
+    tensor: torch.Tensor  # the local shard, on the CPU
+    shape: tuple[int, ...]  # the whole tensor's
+    index: int | None  # which of ``count`` dim-0 shards; None: a layout other than FSDP's (not recoverable)
+    count: int
+
+
+def copy_local(state_dict: StateDict) -> StateDict:
+    """``state_dict`` with each DTensor replaced by a host copy of this rank's shard (no communication).
+
+    Plain tensors are copied too, other values deep-copied, so the copy
+    does not change when training goes on.
+    """
+    def leaf(value: object) -> object:
+        if isinstance(value, DTensor):
+            index, count = _shard_position(value)
+            return _LocalShard(value.to_local().detach().to("cpu", copy=True), tuple(value.shape), index, count)
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        return copy.deepcopy(value)
+
+    return _map_leaves(state_dict, leaf)
+
+
 def _map_leaves(state: StateDict, leaf: Callable[[object], object]) -> StateDict:
     """``state`` with ``leaf`` applied to every value below it that is not a dict, list or tuple, in walk order."""
     return {key: _map_value(item, leaf) for key, item in state.items()}
@@ -150,3 +189,105 @@ def _map_value(value: object, leaf: Callable[[object], object]) -> object:
     if isinstance(value, (list, tuple)):
         return type(value)(_map_value(item, leaf) for item in value)
     return leaf(value)
+
+
+def _shard_position(value: DTensor) -> tuple[int | None, int]:
+    """Which dim-0 shard of ``value`` this rank holds and of how many (FSDP2's placements: Shard(0), the
+    rest Replicate); ``(None, 0)`` for any other layout."""
+    sharded = [dim for dim, placement in enumerate(value.placements) if isinstance(placement, Shard)]
+    if len(sharded) != 1 or value.placements[sharded[0]] != Shard(0) or not all(
+            isinstance(placement, (Shard, Replicate)) for placement in value.placements):
+        return None, 0
+    mesh = value.device_mesh
+    return mesh.get_local_rank(sharded[0]), mesh.size(sharded[0])
+
+
+def _local_shards(copied: StateDict) -> list[_LocalShard]:
+    """The :class:`_LocalShard` leaves of ``copied``, in the order of :func:`_map_leaves`'s walk."""
+    found: list[_LocalShard] = []
+    _map_leaves(copied, lambda value: found.append(value) if isinstance(value, _LocalShard) else None)
+    return found
+
+
+def gather_from_copies(copied: StateDict, dst: int = 0) -> StateDict | None:
+    """The whole state on rank ``dst`` of the current group from every member's :func:`copy_local` copy.
+
+    Collective on the group the members that are left formed.  Every member
+    says which shard it holds; for each shard the first member holding it
+    sends its copies to ``dst`` (one message per dtype), which joins them
+    along dim 0.  Returns what :func:`gather_full` would have (None on the
+    other ranks).
+
+    Raises:
+        ShardsLost: on every member, before anything is sent, when some
+            shard has no copy left or a tensor is not sharded as FSDP2 shards.
+    """
+    leaves = _local_shards(copied)
+    positions = {(leaf.index, leaf.count) for leaf in leaves}
+    mine = positions.pop() if len(positions) == 1 else (None, 0)
+    shapes = [(tuple(leaf.tensor.shape), leaf.tensor.dtype) for leaf in leaves]
+    said = collectives.allgather_object((mine, shapes))
+    holders = _holders([position for position, _ in said])
+    rank = env.rank()
+    group = collectives.control_group()
+    sends = sorted({holder for holder in holders if holder != dst})
+    if rank in holders and rank != dst:
+        for dtype in _in_order({leaf.tensor.dtype for leaf in leaves}):
+            flat = torch.cat([leaf.tensor.reshape(-1) for leaf in leaves if leaf.tensor.dtype == dtype])
+            torch.distributed.send(flat, group_dst=dst, group=group)
+    if rank != dst:
+        return None
+    received = {dst: [leaf.tensor for leaf in leaves]}
+    for holder in sends:
+        received[holder] = _receive(said[holder][1], holder, group)
+    return _join(copied, [received[holder] for holder in holders], iter(range(len(leaves))))
+
+
+def _holders(positions: list[tuple[int | None, int]]) -> list[int]:
+    """For each shard index, the first rank that holds it; :class:`ShardsLost` when one has none."""
+    counts = {count for _, count in positions}
+    if any(index is None for index, _ in positions) or len(counts) != 1:
+        raise ShardsLost("the sharded state is not sharded as FSDP2 shards it (Shard(0) over one mesh dimension) "
+                         "on every member")
+    count = counts.pop()
+    holders: dict[int, int] = {}
+    for rank, (index, _) in enumerate(positions):
+        holders.setdefault(int(index), rank)  # type: ignore[arg-type]
+    missing = [index for index in range(count) if index not in holders]
+    if missing:
+        raise ShardsLost(f"shard(s) {missing} of {count} were held only by the members that were lost")
+    return [holders[index] for index in range(count)]
+
+
+def _in_order(dtypes: set[torch.dtype]) -> list[torch.dtype]:
+    """``dtypes`` in the one order every member sends and receives them in (a message per dtype)."""
+    return sorted(dtypes, key=str)
+
+
+def _receive(shapes: list[tuple[tuple[int, ...], torch.dtype]], holder: int,
+             group: torch.distributed.ProcessGroup | None) -> list[torch.Tensor]:
+    """``holder``'s local shards, one message per dtype, split back into tensors of ``shapes``."""
+    tensors: list[torch.Tensor | None] = [None] * len(shapes)
+    for dtype in _in_order({dtype for _, dtype in shapes}):
+        which = [i for i, (_, kind) in enumerate(shapes) if kind == dtype]
+        sizes = [int(torch.Size(shapes[i][0]).numel()) for i in which]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        torch.distributed.recv(flat, group_src=holder, group=group)
+        for i, part in zip(which, flat.split(sizes)):
+            tensors[i] = part.view(shapes[i][0])
+    return [tensor for tensor in tensors if tensor is not None]
+
+
+def _join(copied: StateDict, by_shard: list[list[torch.Tensor]], order: Iterator[int]) -> StateDict:
+    """``copied`` with each local shard replaced by the whole tensor joined from every shard's copy."""
+    def leaf(value: object) -> object:
+        if not isinstance(value, _LocalShard):
+            return value
+        i = next(order)
+        whole = torch.cat([parts[i] for parts in by_shard], dim=0)
+        if tuple(whole.shape) != value.shape:
+            raise RuntimeError(f"the shards of a tensor of shape {value.shape} join into {tuple(whole.shape)}: "
+                               "the members run different models")
+        return whole
+
+    return _map_leaves(copied, leaf)

@@ -49,7 +49,7 @@ import time
 from typing import Any, Callable
 
 from adaptive._utils.checks import check_bool
-from adaptive.checkpoint import _saving, fencing
+from adaptive.checkpoint import _saving, fencing, peer_shards
 from adaptive.runtime import collectives, membership
 from adaptive.runtime import env
 from adaptive.observe import metrics
@@ -254,6 +254,14 @@ class ShardedState(State):
         :meth:`load_sharded_state_dict`, whose ``read`` then fills from rank 0.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot move between live generations in memory")
+
+    def copy_local_shards(self) -> Any:
+        """Live mode, after a lost member: this rank's shards copied to host memory.
+
+        See :func:`adaptive.checkpoint.peer_shards.copy_local`;
+        :func:`adaptive.checkpoint.handover.recover_sharded_states` joins the members' copies.
+        """
+        return peer_shards.copy_local(self.sharded_state_dict())
 
 
 def registered_states() -> list[State]:

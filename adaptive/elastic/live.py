@@ -44,11 +44,12 @@ back to its copy of the last committed step (:func:`keep_commit_point`:
 small copies, without the weights and the optimizer state, taken after
 every step), so only the step in flight is trained again, and only when no
 member applied it.
-A sharded model (FSDP2, HSDP): a lost member restarts every member from the
-checkpoint on disk, resharded for the replicas there are (resharding in
-memory after a loss, which HSDP did with the snapshots, does not yet keep
-the state exact with the step commit; joins and leaves are resharded in
-memory).
+A sharded model (HSDP): after a loss the members that are left join a
+whole copy of their own shards (each as the last committed step left it)
+on the new rank 0 (:func:`adaptive.checkpoint.handover.recover_sharded_states`)
+and shard it anew for themselves.  When the lost members held every copy of
+some shard (1-D FSDP) every member restarts from the checkpoint on disk,
+resharded for the replicas there are.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from adaptive.checkpoint import fencing, handover, private_parts, states
+from adaptive.checkpoint.peer_shards import ShardsLost
 from adaptive.runtime import (admitting, collectives, draining, env, fault_tolerant_group, membership, reforming,
                               step_commit)
 from adaptive.runtime.live_protocol import Generation, private_key
@@ -281,11 +283,10 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     point = current_job().part(_CommitPoint)
     steps = step_records.stream()
     error = steps.fault
+    shards = _copy_shards()  # (sharded models: while their mesh's groups are still registered)
     _give_up_on_the_group()
     states.abandon_pending_save()  # a background save in flight ran on the broken group
-    if handover.sharded_states():
-        logger.error("lost a member (%s) of a sharded job; restarting every member from the checkpoint (with the "
-                     "step commit, resharding in memory after a loss does not yet keep the state exact)", error)
+    if shards is None:
         return False
     if env.live_recovery() != "memory":
         logger.error("lost a member (%s); restarting every member from the checkpoint "
@@ -318,6 +319,8 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     if env.rank() == 0:
         _adopt_private_parts(lost_in)
     steps.fault = None
+    if not _recover_shards(shards, error):
+        return False
     fencing.renew_generation()
     # What the states hold now (the restored copies, and the lost members' private parts adopted) is the new
     # generation's commit point: a member lost before its first step must not take the adopted parts away.
@@ -328,6 +331,34 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",
                    type(error).__name__ if error else "?", before, env.num_replicas(), membership.generation_number(),
                    back_to, time.perf_counter() - started)
+    return True
+
+
+def _copy_shards() -> dict[str, Any] | None:
+    """Each sharded state's local shards, copied to the host (no communication); None when they cannot be.
+
+    Every member holds its shards as the last committed step left them (the
+    step commit applies an update on every member or on none), so these
+    copies are that step's state, whatever the step in flight did after it.
+    """
+    try:
+        return handover.copy_local_shards()
+    except RuntimeError as error:
+        logger.error("lost a member, and this member's shards cannot be copied (%s); restarting from the checkpoint",
+                     error)
+        return None
+
+
+def _recover_shards(shards: dict[str, Any], error: BaseException | None) -> bool:
+    """Sharded models (HSDP): the members that are left shard anew from their ``shards`` (each its own, as the
+    last committed step left them); False when the lost members held every copy of some shard (1-D FSDP)."""
+    if not shards:
+        return True
+    try:
+        handover.recover_sharded_states(shards)
+    except ShardsLost as lost:
+        logger.error("lost a member (%s) and %s; restarting every member from the checkpoint", error, lost)
+        return False
     return True
 
 

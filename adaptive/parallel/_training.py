@@ -113,11 +113,13 @@ class TrainingParts:
     Their state dicts sit at the top level of the wrapper's checkpointed
     state, under ``gns``, ``scaling_rule``, ``lr_scheduler`` and ``scaler``
     (these two when given); a part missing from a checkpoint starts fresh, with a
-    warning.
+    warning.  The optimizer's own state is the wrapper's; its parameter
+    groups' hyperparameters are in the live copy (see :meth:`live_copy`).
     """
 
-    def __init__(self, lr_scheduler: LRScheduler | None, scaler: torch.amp.GradScaler | None,
-                 gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler | None,
+                 scaler: torch.amp.GradScaler | None, gns: GradientNoiseScale, scaling_rule: ScalingRule) -> None:
+        self._optimizer = optimizer
         self._parts: dict[str, Stateful | None] = {"gns": gns, "scaling_rule": scaling_rule,
                                                    "lr_scheduler": lr_scheduler, "scaler": scaler}
 
@@ -135,13 +137,25 @@ class TrainingParts:
 
     def live_copy(self) -> StateDict:
         """Live mode: the parts copied at each committed step (:meth:`adaptive.checkpoint.states.State.live_copy`):
-        all of them are small; the weights and the optimizer state they go with are not copied."""
-        return copy.deepcopy(self.state_dict())
+        all of them are small; the weights and the optimizer state they go with are not copied.
+
+        The optimizer's hyperparameters (each group's ``lr``, ``momentum``...)
+        are: the LR scheduler of a step that is trained again (a lost member
+        discarded it) set them when the script stepped it, and a scheduler
+        that scales the current value (``StepLR``, ``ExponentialLR``) would
+        scale it again when the step is trained again.
+        """
+        hyperparameters = [{key: value for key, value in group.items() if key != "params"}
+                           for group in self._optimizer.param_groups]
+        return copy.deepcopy({"parts": self.state_dict(), "param_groups": hyperparameters})
 
     def restore_live_copy(self, saved: object) -> None:
         """Go back to what :meth:`live_copy` returned."""
         assert isinstance(saved, dict)
-        self.load_state_dict(copy.deepcopy(saved))
+        saved = copy.deepcopy(saved)
+        self.load_state_dict(saved["parts"])
+        for group, hyperparameters in zip(self._optimizer.param_groups, saved["param_groups"]):
+            group.update(hyperparameters)
 
 
 # ---------------------------------------------------------------- the step, as the loader published it

@@ -147,7 +147,7 @@ class AdaptiveDataParallel(_training.TrainedModel, DistributedDataParallel):
         self._make_gns_and_rule(optimizer, scaler, scaling_rule, gns_interval)
         self.gns.attach(self, is_last_micro_step=lambda: not _training.is_accumulation_step())
         self.step_lr = _training.wire_optimizer(optimizer, self.scaling_rule, self.gns)
-        parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
+        parts = _training.TrainingParts(optimizer, lr_scheduler, scaler, self.gns, self.scaling_rule)
         self._state = _AdaptiveDataParallelState(f"adaptive.parallel.{name}", self.module, optimizer, parts)
         self._register_with_job()
         _training.follow_regroups(self)

@@ -102,6 +102,9 @@ class _FullyShardedState(states.ShardedState):
 
     def sharded_state_dict(self) -> StateDict:
         self._before_save()
+        # What this returns is what a live change loads back (gathered, or copied after a loss): with the optimizer
+        # exactly when it has stepped.
+        self._saved_optimizer = bool(self.optimizer.state)
         if not self.optimizer.state:
             return {"model": get_model_state_dict(self.module)}
         model, optimizer = get_state_dict(self.module, self.optimizer)
@@ -134,7 +137,6 @@ class _FullyShardedState(states.ShardedState):
                        optim_state_dict=loaded["optimizer"])
 
     def gather_for_peers(self, dst: int) -> StateDict | None:
-        self._saved_optimizer = bool(self.optimizer.state)
         return peer_shards.gather_full(self.sharded_state_dict(), dst)
 
     def reshard_for_peers(self, gathered: StateDict | None) -> None:
@@ -223,7 +225,7 @@ class AdaptiveFSDP(_training.TrainedModel, torch.nn.Module):
         self._gradient_sync = True
         self._make_gns_and_rule(optimizer, scaler, scaling_rule, gns_interval)
         self.gns.attach(self.module, is_last_micro_step=_is_last_micro_step)
-        parts = _training.TrainingParts(lr_scheduler, scaler, self.gns, self.scaling_rule)
+        parts = _training.TrainingParts(optimizer, lr_scheduler, scaler, self.gns, self.scaling_rule)
         self._state = _FullyShardedState(f"adaptive.parallel.{name}", self.module, optimizer, parts,
                                          before_save=self._materialize, reshard=self._reshard,
                                          admitted=self._restore_on_admission)

@@ -104,7 +104,8 @@ def main():
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-            model.module.steps += 1
+            if not step_records.discarded():  # a discarded step is trained again: counted then (a buffer of
+                model.module.steps += 1        # the model, which a loss does not roll back)
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
             after = full_digest(model, optimizer, scheduler)  # (a gather: a member lost in it leaves it partial)
             append_jsonl(log, {"pid": os.getpid(), "time": time.time(), "rank": dist.get_rank(),
