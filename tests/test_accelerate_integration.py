@@ -1,8 +1,11 @@
 """AdaptiveAccelerator (adaptive.integrations.accelerate): an Accelerate script made elastic.
 
 Single-process tests of what ``prepare`` returns and how accumulation,
-``backward`` and metrics behave, then one real ``adaptive-run`` job on
-127.0.0.1 (gloo) stopped on 2 processes and resumed on 3.
+``backward``, metrics, the step and sample counters and ``save_state`` /
+``load_state`` behave, then real ``adaptive-run`` jobs on 127.0.0.1 (gloo):
+stopped on 2 processes and resumed on 3, a SIGKILLed worker, save_state on
+2 processes and load_state on 3 (each ending with the weights of an
+uninterrupted run; marked slow), and the example script.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from conftest import Indices  # noqa: E402
-from elastic_harness import REPO, Jobs, exit_codes, progress, tail, wait_exit, wait_for  # noqa: E402
+from elastic_harness import (REPO, Jobs, exit_codes, newest_checkpoint_step, progress, tail, wait_exit,  # noqa: E402
+                             wait_for)
 
 WORKER = REPO / "tests" / "workers" / "accelerate_worker.py"
 
@@ -161,6 +165,151 @@ def test_a_relaunch_keeps_the_first_launch_batch_and_resumes_model_scheduler_and
     assert loader.step == scheduler.scheduler.last_epoch == 8
 
 
+def _reset_accelerate():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.mark.parametrize("how", ["finish_training", "plain-break"])
+def test_completed_steps_and_samples_seen_count_the_job_and_come_back_after_a_relaunch(accel, job, monkeypatch, how):
+    """The counters a ``--max_train_steps`` script needs: optimizer steps (the one just taken included) and
+    samples of the training loader only (not the evaluation loader's), restored with the loader on a relaunch;
+    a script counting from ``accelerator.completed_steps`` stops where an uninterrupted run stops.  Leaving the
+    loop with ``finish_training(); break``, or with transformers' plain ``break`` (then evaluating, then
+    ``finish_training()``): the step broken out of was taken and counts."""
+    from conftest import restart_process_state
+
+    def launch():
+        accelerator = accel()
+        model, optimizer, scheduler = _trio()
+        train = torch.utils.data.DataLoader(_regression(22), batch_size=4, shuffle=True)  # 5 + 1 short step
+        evaluation = torch.utils.data.DataLoader(_regression(10), batch_size=5)
+        return (accelerator, *accelerator.prepare(model, optimizer, train, evaluation, scheduler))
+
+    def run(stop_at=None, max_steps=9):
+        accelerator, model, optimizer, train, evaluation, scheduler = launch()
+        completed = accelerator.completed_steps  # as a script reads it before its loop
+        seen = []
+        for epoch in adaptive.remaining_epochs_until(3):
+            for x, y in train:
+                assert accelerator.completed_steps == completed
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                completed += 1
+                seen.append((accelerator.completed_steps, accelerator.samples_seen))
+                if completed == stop_at:
+                    adaptive.request_stop()
+                if completed >= max_steps:
+                    if how == "finish_training":
+                        adaptive.finish_training()
+                    break
+            evaluated = sum(len(x) for x, y in evaluation)
+            assert evaluated == (0 if adaptive.training_finished() else 10)  # loops after finish_training: empty
+            assert accelerator.completed_steps == completed == train.step  # evaluation steps are not counted
+            if completed >= max_steps:
+                adaptive.finish_training()
+                break
+        return accelerator, seen
+
+    accelerator, uninterrupted = run()
+    assert uninterrupted == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20), (6, 22), (7, 26), (8, 30), (9, 34)]
+    assert (accelerator.completed_steps, accelerator.samples_seen) == (9, 34)
+
+    restart_process_state()
+    _reset_accelerate()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "interrupted"))  # another job
+    with pytest.raises(SystemExit):
+        run(stop_at=4)
+    restart_process_state()
+    _reset_accelerate()
+    accelerator, resumed = run()
+    stopped_after = len(uninterrupted) - len(resumed)  # the stop is agreed on at a step boundary after the request
+    assert 4 <= stopped_after < 9 and resumed == uninterrupted[stopped_after:]  # ends after the 9th, as uninterrupted
+    restart_process_state()
+    _reset_accelerate()
+    accelerator, finished = run()
+    assert finished == [] and (accelerator.completed_steps, accelerator.samples_seen) == (9, 34)
+
+
+def test_save_state_and_load_state_carry_the_loader_position_epoch_and_random_state(accel, job, monkeypatch):
+    """``save_state`` in the loop body after ``optimizer.step()``, as transformers' scripts call it; a new
+    process (with no library checkpoint) ``load_state``s it: it goes on with the next step, each sample once per
+    epoch, drawing the same random numbers, and ends with the uninterrupted run's weights."""
+    from conftest import restart_process_state
+
+    saved = job / "saved"
+
+    def run(save_after=None, load=False):
+        accelerator = accel()
+        torch.manual_seed(1)
+        model, optimizer, scheduler = _trio()
+        data = torch.utils.data.TensorDataset(torch.randn(20, 3), torch.randn(20, 1), torch.arange(20))
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        if load:
+            accelerator.load_state(str(saved))
+        trained = []
+        for epoch in adaptive.remaining_epochs_until(2):
+            for x, y, index in loader:
+                noise = torch.randn(len(x), 1)  # the random generators must come back too
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y + noise))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                trained.append((epoch, index.tolist(), noise.flatten().tolist()))
+                if accelerator.completed_steps == save_after:
+                    accelerator.save_state(str(saved))
+        return accelerator, model, trained
+
+    accelerator, model, uninterrupted = run(save_after=7)  # in epoch 1 (5 steps per epoch)
+    assert (saved / "adaptive").is_dir() and (saved / "model.safetensors").is_file()
+    final = {key: value.clone() for key, value in model.module.state_dict().items()}
+    restart_process_state()
+    _reset_accelerate()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "elsewhere"))  # nothing to resume by itself
+    accelerator, model, resumed = run(load=True)
+    assert resumed == uninterrupted[7:]
+    assert accelerator.completed_steps == 10 and accelerator.samples_seen == 40
+    for key, value in model.module.state_dict().items():
+        torch.testing.assert_close(value, final[key], rtol=0, atol=0)
+
+
+def test_load_state_of_a_plain_accelerate_folder_warns_and_refuses_inside_the_loop(accel, job, caplog):
+    accelerator = accel()
+    model, optimizer, scheduler = _trio()
+    loader = torch.utils.data.DataLoader(_regression(8), batch_size=4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.save_state(str(job / "saved"))
+    import shutil
+    shutil.rmtree(job / "saved" / "adaptive")  # what Accelerate alone writes
+    with caplog.at_level("WARNING", logger="adaptive.integrations._accelerate_state"):
+        accelerator.load_state(str(job / "saved"))
+    assert "holds no library state" in caplog.text
+    with pytest.raises(RuntimeError, match="load_state must be called before the epoch loop"):
+        for epoch in adaptive.remaining_epochs_until(1):
+            accelerator.load_state(str(job / "saved"))
+
+
+def test_sample_batches_accumulate_with_accumulation_steps_and_the_keyword_is_validated(job):
+    """What the accelerator builds on: ``AdaptiveDataLoader(batch_size=8, accumulation_steps=2)`` steps in 2
+    micro-batches of 4 samples (a short last step keeps what is left), each sample once."""
+    loader = adaptive.AdaptiveDataLoader(Indices(20), batch_size=8, accumulation_steps=2)
+    assert (loader.batch_size, loader.accumulation_steps, loader.current_local_bsz) == (8, 2, 4)
+    batches = [(batch.tolist(), loader.micro_step) for batch in loader]
+    assert [b for b, _ in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+    assert [m for _, m in batches] == [(0, 2), (1, 2), (0, 2), (1, 2), (0, 1)] and loader.step == 3
+    for kwargs, error in [({"batch_size": 6, "accumulation_steps": 4}, "batch_size=6 must be a multiple of "
+                                                                       "accumulation_steps=4"),
+                          ({"accumulation_steps": 2}, "only apply to token-budget batches .* or to sample batches"),
+                          ({"batch_size": 8, "accumulation_steps": 0}, "accumulation_steps"),
+                          ({"batch_size": 8, "accumulation_steps": 2, "batch_size_schedule": "0:4 40:8"},
+                           "cannot be combined with batch_size_schedule")]:
+        with pytest.raises(ValueError, match=error):
+            adaptive.AdaptiveDataLoader(Indices(20), name="bad", **kwargs)
+
+
 def test_split_batches_makes_batch_size_the_global_batch(accel):
     from accelerate.utils import DataLoaderConfiguration
 
@@ -217,22 +366,35 @@ def test_accumulation_follows_the_loader_plan(accel):
     assert scheduler.scheduler.last_epoch == 4  # once per optimizer step x 1 process
 
 
-def test_backward_leaves_the_averaging_to_the_model_wrapper(accel):
-    """Accelerate divides the loss by gradient_accumulation_steps; here the wrapper averages micro-steps, and the
-    loader plans one micro-batch per step for sample batches, so the gradient is the plain mean loss's."""
+def test_gradient_accumulation_steps_makes_micro_batches_and_backward_leaves_the_averaging_to_the_wrapper(accel):
+    """``gradient_accumulation_steps=4``: each optimizer step is 4 micro-batches of the DataLoader's batch_size,
+    as in Accelerate; Accelerate divides the loss by the steps, here the wrapper averages the micro-steps, so the
+    step's gradient is that of the plain mean loss over the step's 8 samples."""
     accelerator = accel(gradient_accumulation_steps=4)
     model, optimizer, _ = _trio()
     reference = torch.nn.Linear(3, 1)
     reference.load_state_dict(model.state_dict())
-    data = _regression(8)
+    data = _regression(16)
     model, optimizer, loader = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=2))
-    assert loader.batch_size == 8 and accelerator.gradient_accumulation_steps == 1
+    assert loader.batch_size == 8 and accelerator.gradient_accumulation_steps == 4
+    pattern, samples = [], []
     for epoch in adaptive.remaining_epochs_until(1):
         for x, y in loader:
-            assert accelerator.sync_gradients
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-            torch.nn.functional.mse_loss(reference(x), y).backward()
-            assert torch.allclose(model.module.weight.grad, reference.weight.grad)
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                pattern.append((len(x), accelerator.sync_gradients, accelerator.gradient_accumulation_steps))
+                samples.append((x, y))
+                if accelerator.sync_gradients:
+                    xs, ys = torch.cat([x for x, _ in samples]), torch.cat([y for _, y in samples])
+                    reference.zero_grad()
+                    torch.nn.functional.mse_loss(reference(xs), ys).backward()
+                    torch.testing.assert_close(model.module.weight.grad, reference.weight.grad)
+                    samples.clear()
+                optimizer.step()
+                optimizer.zero_grad()
+            reference.load_state_dict(model.module.state_dict())
+    assert pattern == [(2, False, 4)] * 3 + [(2, True, 4)] + [(2, False, 4)] * 3 + [(2, True, 4)]
+    assert loader.step == accelerator.completed_steps == 2
 
 
 def test_gather_for_metrics_returns_each_sample_once(accel):
@@ -257,41 +419,168 @@ def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+#: The distributed tests' job: 96 samples, 6 per process on 2 processes (a global batch of 12, which 3 processes
+#: split evenly, so that the weights can equal the 2-process run's), in float64, 20 of its 24 steps (epoch 2
+#: stops after 4 steps: the script counts ``accelerator.completed_steps`` against a --max_train_steps).
+_JOB = dict(WORKER_SAMPLES="96", WORKER_BATCH="6", WORKER_EPOCHS="3", WORKER_DTYPE="float64", WORKER_MAX_STEPS="20")
+
+
+@pytest.fixture
+def uninterrupted(accel, job, monkeypatch):
+    """``done.json`` of the same script run without interruption, here, on one process (the global batch of 12
+    is one process's batch: the same mean gradient as 2 processes' 6 each, up to rounding)."""
+    import runpy
+
+    out = job / "uninterrupted"
+    out.mkdir()
+    for key, value in dict(_JOB, WORKER_BATCH="12", WORKER_OUT=str(out), WORKER_STEP_SLEEP="0").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(WORKER.parent))  # worker_common, as for the script run by a launcher
+    runpy.run_path(str(WORKER), run_name="uninterrupted")["main"]()
+    done = json.loads((out / "done.json").read_text())
+    _assert_counts(out, done, first_launch=1)
+    return done
+
+
+def _assert_counts(out, done, first_launch=2):
+    """20 optimizer steps of 12 samples, every sample once in epochs 0 and 1, 4 steps of epoch 2."""
+    assert (done["completed_steps"], done["samples_seen"], done["step"]) == (20, 240, 20), done
+    # the scheduler steps once per process of the first launch at each optimizer step, as Accelerate's would
+    assert done["scheduler_steps"] == 20 * first_launch, done
+    epochs = {record["epoch"]: record for record in _jsonl(out / "epochs.jsonl")}  # the last record of each
+    assert sorted(epochs) == [0, 1, 2], epochs
+    assert [(epochs[e]["missing"], epochs[e]["extra"]) for e in (0, 1, 2)] == [(0, 0), (0, 0), (96 - 48, 0)], epochs
+    # gather_for_metrics: each evaluation sample once; after finish_training() loader loops yield nothing
+    assert [epochs[e]["eval"] for e in (0, 1, 2)] == [list(range(10))] * 2 + [[]], epochs
+
+
+def _assert_weights(done, reference):
+    # float64; 3 processes average 3 means of 4 samples where 2 averaged 2 means of 6: equal up to rounding
+    torch.testing.assert_close(torch.tensor(done["weights"], dtype=torch.float64),
+                               torch.tensor(reference["weights"], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
 @pytest.mark.distributed
-def test_stop_on_2_processes_resume_on_3_keeps_the_global_batch_and_sees_each_sample_once(jobs, tmp_path):
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 20-25 s on 2 shared cores (two launches); the example's test covers the default suite
+def test_stop_on_2_processes_resume_on_3_keeps_the_global_batch_and_ends_with_the_uninterrupted_weights(
+        jobs, tmp_path, uninterrupted):
     out = tmp_path / "accelerate"
     log2, log3 = out / "job2.log", out / "job3.log"
     started = time.time()
+    job = dict(_JOB, WORKER_BATCH="3", WORKER_ACCUMULATION="2")  # 3 per process x 2 processes x 2 micro-batches
     proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER,
-                       ADAPTIVE_CHECKPOINT_INTERVAL="0")
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAVE_EVERY="5", **job)
     wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 5, 60, "2 processes to take 5 steps")
     os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler does to the launcher
     assert wait_exit(proc, 60, log2) == 143, tail(log2)
     stopped = progress(out, 0)
     codes = exit_codes(out, started)
     assert codes == [143, 143], f"{codes}\n{tail(log2)}"
-    assert stopped["world"] == 2 and stopped["step"] < 36, f"{stopped}\n{tail(log2)}"
+    assert stopped["world"] == 2 and stopped["step"] < 20, f"{stopped}\n{tail(log2)}"
 
     proc = jobs.launch(["--standalone", "--nproc-per-node=3"], out, "job3.log", script=WORKER,
-                       ADAPTIVE_CHECKPOINT_INTERVAL="0")
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAVE_EVERY="5", **dict(job, WORKER_STEP_SLEEP="0"))
     assert wait_exit(proc, 90, log3) == 0, tail(log3)
     text = log3.read_text()
     assert "resuming from checkpoint" in text, tail(log3)
-    steps = _jsonl(out / "steps.jsonl")
-    worlds = [record["world"] for record in steps]
+    micro = _jsonl(out / "steps.jsonl")  # one record per micro-batch
+    worlds = [record["world"] for record in micro]
     assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
-    # the global batch of the first launch (4 per process x 2 processes) at 3 processes too; no step twice
-    assert {(r["planned"], r["size"], r["batch_size"]) for r in steps} == {(8, 8, 8)}, steps
-    assert [r["step"] for r in steps] == list(range(36)), [r["step"] for r in steps]
-    assert all(r["sync"] for r in steps)
-    epochs = {record["epoch"]: record for record in _jsonl(out / "epochs.jsonl")}
-    assert sorted(epochs) == [0, 1, 2], epochs
-    for record in epochs.values():
-        assert (record["missing"], record["extra"]) == (0, 0), record  # every sample exactly once per epoch
-        assert record["eval"] == list(range(10)), record  # gather_for_metrics: each evaluation sample once
+    # the global batch of the first launch (3 per process x 2 processes x 2 micro-batches) at 3 processes too,
+    # in 2 micro-batches of 6 samples, split 3 + 3 and then 2 + 2 + 2; the gradients synchronised on the second
+    assert {(r["planned"], r["size"], r["batch_size"], r["accumulation"]) for r in micro} == {(12, 12, 12, 2)}, micro
+    assert {(r["world"], r["local"]) for r in micro} == {(2, 3), (3, 2)}, micro
+    assert [r["sync"] for r in micro] == [False, True] * 20, micro
+    steps = [r for r in micro if r["sync"]]
+    assert [r["step"] for r in steps] == list(range(20)), [r["step"] for r in steps]  # no step twice
+    # the counters a script reads, restored on the relaunch: the step just taken included
+    assert [(r["completed"], r["samples"]) for r in steps] == [(n, 12 * n) for n in range(1, 21)], steps
     done = json.loads((out / "done.json").read_text())
-    # 36 optimizer steps; the scheduler steps once per process of the first launch at each, as Accelerate's would
-    assert done == {"step": 36, "world": 3, "scheduler_steps": 72}, done
+    assert done["world"] == 3
+    _assert_counts(out, done)
+    _assert_weights(done, uninterrupted)
+    assert (out / "saved" / "adaptive").is_dir()  # save_state on every process wrote the library's part too
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 20-30 s on 2 shared cores: a start, a kill, a restart round
+def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_uninterrupted_weights(
+        jobs, tmp_path, uninterrupted):
+    out = tmp_path / "killed"
+    log = out / "job.log"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2", "--max-restarts=2"], out, "job.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0.3", ADAPTIVE_CHECKPOINT_KEEP="1000", **_JOB)
+    victim = wait_for(lambda: (p := progress(out, 1)) and p["step"] >= 9 and newest_checkpoint_step(out) >= 4
+                      and p, 60, "rank 1 to reach epoch 1 with a checkpoint taken")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_exit(proc, 90, log) == 0, tail(log)
+    assert "resuming from checkpoint" in log.read_text(), tail(log)
+    taken = [r["step"] for r in _jsonl(out / "steps.jsonl")]
+    assert sorted(set(taken)) == list(range(20)), taken  # the steps after the checkpoint were trained again
+    done = json.loads((out / "done.json").read_text())
+    _assert_counts(out, done)  # each sample once per epoch after the rollback, the step counters rolled back too
+    _assert_weights(done, uninterrupted)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-25 s on 2 shared cores: two launches
+def test_save_state_on_2_processes_load_state_on_3_goes_on_exactly(jobs, tmp_path, uninterrupted):
+    """transformers' --checkpointing_steps / --resume_from_checkpoint: a job on 2 processes save_states after
+    steps 7 and 14; another job (its own checkpoint folder: nothing to resume by itself) on 3 processes
+    load_states the folder and trains steps 14 to 20: each sample once per epoch (the per-sample counts of the
+    epoch in progress came back too) and the uninterrupted run's weights."""
+    saver, loader = tmp_path / "saver", tmp_path / "loader"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], saver, "job.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAVE_EVERY="7", WORKER_STEP_SLEEP="0", **_JOB)
+    assert wait_exit(proc, 90, saver / "job.log") == 0, tail(saver / "job.log")
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], loader, "job.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_STEP_SLEEP="0", WORKER_LOAD_FROM=str(saver / "saved"),
+                       **_JOB)
+    assert wait_exit(proc, 90, loader / "job.log") == 0, tail(loader / "job.log")
+    assert "resuming from checkpoint" not in (loader / "job.log").read_text()  # only load_state restored it
+    steps = _jsonl(loader / "steps.jsonl")
+    assert [(r["step"], r["world"], r["completed"]) for r in steps] == [(n, 3, n + 1) for n in range(14, 20)], steps
+    done = json.loads((loader / "done.json").read_text())
+    assert (done["completed_steps"], done["samples_seen"], done["scheduler_steps"]) == (20, 240, 40), done
+    epochs = {record["epoch"]: record for record in _jsonl(loader / "epochs.jsonl")}
+    assert [(epochs[e]["missing"], epochs[e]["extra"]) for e in (1, 2)] == [(0, 0), (96 - 48, 0)], epochs
+    _assert_weights(done, uninterrupted)
+
+
+@pytest.mark.distributed
+def test_the_accelerate_example_trains_on_2_processes_under_adaptive_run_and_a_relaunch_trains_nothing(tmp_path):
+    """``examples/hf_accelerate_classifier.py`` as its docstring runs it, shortened by its own options."""
+    pytest.importorskip("transformers", reason="the example needs transformers (the huggingface extra)")
+    import subprocess
+
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                       ADAPTIVE_CHECKPOINT_PATH=str(tmp_path / "checkpoints"), ADAPTIVE_SHARE_PATH=str(tmp_path / "share"),
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    script = [str(REPO / "examples" / "hf_accelerate_classifier.py"), "--train-samples", "768",
+              "--num-train-epochs", "3", "--max-train-steps", "30", "--checkpointing-steps", "20",
+              "--output-dir", str(tmp_path / "saved")]
+
+    def run(*launcher):
+        result = subprocess.run([sys.executable, *launcher, *script], env=environment, cwd=str(tmp_path),
+                                capture_output=True, text=True, timeout=120)
+        log = result.stdout + result.stderr
+        assert result.returncode == 0, log[-4000:]
+        return log
+
+    log = run("-m", "adaptive.elastic.launcher", "--standalone", "--nproc-per-node=2")
+    epochs = [line for line in log.splitlines() if "accuracy" in line]
+    assert len(epochs) == 2 and all("2 processes" in line for line in epochs), log[-4000:]
+    assert float(epochs[-1].split("accuracy ")[1].split("%")[0]) > 60.0  # two classes: chance is 50% (30 steps: 70%)
+    assert "done: 30 optimizer steps, 960 samples" in log  # --max-train-steps 30 of 32 samples each
+    assert "lr 0.00e+00" in epochs[-1]  # the linear schedule ends where training ends
+    assert (tmp_path / "saved" / "adaptive").is_dir()  # save_state at step 20 wrote the library's state too
+    log = run()  # relaunched, on one process: finished, nothing is trained again
+    assert "accuracy" not in log and "done: 30 optimizer steps, 960 samples" in log, log[-4000:]
 
 
 def test_a_tiny_transformers_model_trains_through_prepare(accel):

@@ -18,7 +18,7 @@ from adaptive.batchsize.rampup_specs import make_schedule
 from adaptive.data.tokens.plan_state import DEFAULT_WINDOW_SIZE
 
 __all__ = ["PASSTHROUGH", "dataset_length", "unit_schedule", "refuse_token_options", "check_token_options",
-           "refuse_unsupported"]
+           "check_sample_accumulation", "refuse_unsupported"]
 
 
 #: DataLoader arguments passed through unchanged to the loader that fetches local batches.
@@ -59,10 +59,9 @@ def unit_schedule(spec: Any, unit: str) -> BatchSizeSchedule:
     return schedule
 
 
-def refuse_token_options(lengths: Any, accumulation_steps: Any, window_size: Any, on_oversize: Any,
-                          average_by: Any) -> None:
+def refuse_token_options(lengths: Any, window_size: Any, on_oversize: Any, average_by: Any) -> None:
     """Token-budget options given without ``max_tokens`` are mistakes: say so."""
-    given = {"lengths": lengths is not None, "accumulation_steps": accumulation_steps != 1,
+    given = {"lengths": lengths is not None,
              "window_size": window_size != DEFAULT_WINDOW_SIZE, "on_oversize": on_oversize != "error",
              "average_by": average_by not in (None, "samples")}
     wrong = [key for key, value in given.items() if value]
@@ -70,6 +69,24 @@ def refuse_token_options(lengths: Any, accumulation_steps: Any, window_size: Any
         raise ValueError(f"{', '.join(wrong)} only apply to token-budget batches; pass max_tokens= as well "
                          "(for sample batches use autoscale_batch_size(gradient_accumulation=True) "
                          "for accumulation)")
+
+
+def check_sample_accumulation(accumulation_steps: Any, batch_size: int | None, scheduled: bool) -> None:
+    """``accumulation_steps`` with sample batches: a fixed ``batch_size`` that it divides."""
+    check_int("accumulation_steps", accumulation_steps, minimum=1)
+    if accumulation_steps == 1:
+        return
+    if batch_size is None:
+        raise ValueError("accumulation_steps only apply to token-budget batches (max_tokens=), or to sample batches "
+                         "with a batch_size= that they divide; pass one of them (or use "
+                         "autoscale_batch_size(gradient_accumulation=True) for accumulation)")
+    if scheduled:
+        raise ValueError("accumulation_steps= cannot be combined with batch_size_schedule= for sample batches: "
+                         "a scheduled step is one micro-batch")
+    if batch_size % accumulation_steps:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of accumulation_steps={accumulation_steps}: "
+                         f"each optimizer step is {accumulation_steps} micro-batches of batch_size / "
+                         "accumulation_steps samples")
 
 
 def check_token_options(drop_last: bool, accumulation_steps: Any, global_batch: bool) -> None:

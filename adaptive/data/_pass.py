@@ -129,6 +129,7 @@ class LoaderPass:
         self.context: StepContext | None = None  # the micro-step published for the models and optimizers
         self._weights: list[float] = []  # the step's micro-batches' loss weights
         self._last_step: tuple[int, int] | None = None  # (micro size, micro-steps) of the last step taken
+        self._optimizer_steps_before = 0  # the optimizer steps taken before the step being trained began
 
     # ------------------------------------------------------------------ the loop
 
@@ -179,9 +180,11 @@ class LoaderPass:
             # ``break`` (or the loop abandoned): the loop counts as done.  No
             # collective here: the pending agreement settles at the next boundary.
             step, context = self.step_now, self.context
-            if epoch.training_finished() and step is not None and context is not None \
-                    and not context.is_accumulation_step:
-                self._commit(step)  # finish_training() then break after the step's last micro-batch: it was taken
+            if step is not None and context is not None and not context.is_accumulation_step and (
+                    epoch.training_finished() or stream().optimizer_steps > self._optimizer_steps_before):
+                # finish_training(), or the optimizer stepped, then break after the step's last micro-batch: the
+                # step was taken (a --max-steps break), so its samples and its step count
+                self._commit(step)
                 trained += 1
             else:
                 self._end_step(None)
@@ -258,6 +261,7 @@ class LoaderPass:
         divisor = model.gradient_divisor(count) if model is not None else replicas
         self._weights = [loss_weight(step, m, total or 0, divisor) for m in range(count)]
         self.step_now = step
+        self._optimizer_steps_before = stream().optimizer_steps
         begin_step()
         local = step.shape.micro if loader._sizer.per_replica else max(1, step.shape.micro // replicas)
         self._last_step = (local, count)

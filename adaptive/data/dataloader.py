@@ -37,7 +37,12 @@ loop 1, a second pass over the same loader would be loop 2).  After a
 restart, loops that already finished in the current epoch are skipped (they
 yield nothing) and the interrupted loop resumes mid-way (guarantee G5).
 Leaving a loop with ``break`` counts as finishing it; every replica must
-break at the same step.
+break at the same step.  The step broken out of counts as taken (its
+samples are consumed, :attr:`AdaptiveDataLoader.step` counts it) when the
+break comes after its last micro-batch and an optimizer step was taken in
+it (a ``--max-steps`` break after ``optimizer.step()``), or after
+:func:`adaptive.finish_training`; otherwise (a peek, a break before the
+step is trained) it does not.
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ from adaptive.runtime.step import StepContext, stream
 from adaptive.batchsize.autoscale import AutoscaleConfig, BatchSizeController
 from adaptive.batchsize.rampup import BatchSizeSchedule
 from adaptive.batchsize.rampup_specs import describe
-from adaptive.data._loader_options import (check_token_options, dataset_length, options_of,
-                                           refuse_token_options, refuse_unsupported, unit_schedule)
+from adaptive.data._loader_options import (check_sample_accumulation, check_token_options, dataset_length,
+                                           options_of, refuse_token_options, refuse_unsupported, unit_schedule)
 from adaptive.data._loader_state import LoaderState
 from adaptive.data._loader_report import LoaderReport
 from adaptive.data._loop import LocalBatches
@@ -106,8 +111,15 @@ class AdaptiveDataLoader:
             (longest sample x samples) one replica's micro-batch may hold.
         lengths: with ``max_tokens``, the token count of every sample: a
             list/array indexed by sample index, or a function index -> length.
-        accumulation_steps: with ``max_tokens`` and no global ``batch_size``,
-            micro-batches per replica per optimizer step.
+        accumulation_steps: micro-batches per optimizer step.  With
+            ``max_tokens`` and no global ``batch_size``: per replica, each of
+            at most ``max_tokens``.  With sample batches: each step's
+            ``batch_size`` global samples are ``accumulation_steps``
+            micro-batches of ``batch_size / accumulation_steps`` samples
+            (summed over replicas), which ``batch_size`` must be a multiple
+            of (not with ``batch_size_schedule``; autoscale, once on,
+            chooses the micro-steps itself).  With ``drop_last`` a last
+            micro-batch smaller than that is dropped.  Default 1.
         window_size: with ``max_tokens``, stream positions sorted by length
             together (more: less padding); fixed for the whole job.
         on_oversize: with ``max_tokens``, what to do with a sample longer
@@ -169,7 +181,8 @@ class AdaptiveDataLoader:
         unit = "samples" if max_tokens is None else "tokens"
         self._schedule = None if batch_size_schedule is None else unit_schedule(batch_size_schedule, unit)
         if max_tokens is None:
-            refuse_token_options(lengths, accumulation_steps, window_size, on_oversize, average_by)
+            refuse_token_options(lengths, window_size, on_oversize, average_by)
+            check_sample_accumulation(accumulation_steps, batch_size, self._schedule is not None)
             self._batching: Batching = SampleBatching(self.sampler, name)
             self._average_by = "samples"
         else:

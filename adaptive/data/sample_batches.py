@@ -36,8 +36,13 @@ class SampleBatching(Batching):
         return 1  # as torch's DataLoader
 
     def make_sizer(self, batch_size: int, schedule: Any, accumulation_steps: int, global_size: bool) -> StepSizer:
-        return StepSizer("samples", schedule, lambda replicas: StepShape(batch_size, 1),
-                         min_micro=lambda replicas: replicas)
+        """Steps of ``batch_size`` samples, in ``accumulation_steps`` micro-batches of equal global size."""
+        if batch_size % accumulation_steps:  # a checkpointed batch size that the accumulation does not divide
+            logger.warning("loader %s: batch size %d is not a multiple of accumulation_steps=%d; each step is one "
+                           "micro-batch", self.name, batch_size, accumulation_steps)
+            accumulation_steps = 1
+        shape = StepShape(batch_size // accumulation_steps, accumulation_steps)
+        return StepSizer("samples", schedule, lambda replicas: shape, min_micro=lambda replicas: replicas)
 
     def autoscale_bounds(self, max_batch_size: int, bounds: tuple[int, int] | None) -> tuple[int, int]:
         return (1, max_batch_size) if bounds is None else (bounds[0], bounds[1])
@@ -58,8 +63,9 @@ class SampleBatching(Batching):
     def _step(self, position: int, shape: StepShape, sizer: StepSizer, replicas: int,
               rank: int) -> PlannedStep | None:
         if shape.micro < replicas:
-            raise ValueError(f"loader {self.name}: batch_size={shape.micro} is smaller than the number of "
-                             f"replicas ({replicas}); every replica needs at least one sample per step")
+            what = "batch_size" if shape.accum == 1 else "micro-batch (batch_size / accumulation_steps)"
+            raise ValueError(f"loader {self.name}: {what}={shape.micro} is smaller than the number of "
+                             f"replicas ({replicas}); every replica needs at least one sample per micro-batch")
         indices, padding, start = [], [], position
         for _ in range(shape.accum):
             taken = self.sampler.step_size(start, shape.micro)

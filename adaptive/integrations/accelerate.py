@@ -39,8 +39,11 @@ What the accelerator takes over, and why:
   :class:`~adaptive.AdaptiveDataParallel`, which checkpoints them together
   with the loaders.  The optimizer and scheduler come back wrapped as
   Accelerate wraps them, but stepping by the loader's plan of micro-steps.
-* **Accumulation.**  ``sync_gradients`` is true exactly on the micro-batch
-  that ends an optimizer step of the running loader;
+* **Accumulation.**  With ``gradient_accumulation_steps=k`` each step is
+  ``k`` micro-batches of the DataLoader's ``batch_size`` per process of the
+  first launch (the loader's ``accumulation_steps``); ``sync_gradients`` is
+  true exactly on the micro-batch that ends an optimizer step of the
+  running loader;
   ``gradient_accumulation_steps`` reports the loader's plan; ``backward``
   does not divide the loss, because the model wrapper already averages the
   gradient over replicas and micro-steps (as in a plain script).
@@ -48,10 +51,18 @@ What the accelerator takes over, and why:
   loop of an ``AdaptiveDataLoader`` returns every sample of the step once,
   in the loader's global order, dropping the micro-batches that only
   repeat samples to keep replicas in lock-step.
+* **Counters.**  :attr:`AdaptiveAccelerator.completed_steps` and
+  :attr:`AdaptiveAccelerator.samples_seen` are the optimizer steps and
+  samples of the whole job, restored on a relaunch: the training loaders'
+  own checkpointed counters (see :mod:`._accelerate_state`).
+* **save_state / load_state.**  Accelerate's ``save_state(dir)`` also
+  writes the library's checkpoint (loader positions, epoch, random
+  generators, accumulators) under ``dir/adaptive``, and ``load_state(dir)``
+  restores it, through Accelerate's public save and load pre-hooks.
 
 Accelerate's public API is used throughout; the only private attributes
 are the lists a prepared optimizer and scheduler are registered in, read
-and written in :func:`_register_prepared` (see there).
+and written in :func:`adaptive.integrations._accelerate_wrappers.register_prepared`.
 """
 
 from __future__ import annotations
@@ -59,15 +70,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 from typing import Any, Iterator, Sequence
 
 try:
     # accelerate ships no type information (no py.typed): its names are Any to the type checker.
-    import accelerate  # type: ignore[import-untyped]
-    from accelerate import Accelerator
-    from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
-    from accelerate.scheduler import AcceleratedScheduler  # type: ignore[import-untyped]
+    from accelerate import Accelerator  # type: ignore[import-untyped]
     from accelerate.utils import DistributedType, gather_object, recursively_apply  # type: ignore[import-untyped]
 except ImportError as error:  # the optional extra is missing
     raise ImportError("adaptive.integrations.accelerate needs Hugging Face Accelerate, which is not installed: "
@@ -76,143 +83,27 @@ except ImportError as error:  # the optional extra is missing
 import torch
 import torch.utils.data
 
-from adaptive.checkpoint.states import State, load_state
 from adaptive.data._loader_options import options_of
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
+from adaptive.integrations._accelerate_state import (LAUNCH_STATE_NAME, LIBRARY_STATE_DIR, LaunchRecord,
+                                                     completed_steps, load_library_state, samples_seen,
+                                                     save_library_state)
+from adaptive.integrations._accelerate_wrappers import (CHECKED_ACCELERATE_VERSIONS, AdaptiveOptimizer,
+                                                        AdaptiveScheduler, check_accelerate_version, env_flag,
+                                                        gradients_complete, is_plain, is_scheduler, optimizers_of,
+                                                        register_prepared, scheduler_of)
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
 from adaptive.runtime import env
 from adaptive.runtime.collectives import init_process_group
 
-__all__ = ["AdaptiveAccelerator", "CHECKED_ACCELERATE_VERSIONS"]
+__all__ = ["AdaptiveAccelerator", "CHECKED_ACCELERATE_VERSIONS", "LAUNCH_STATE_NAME", "LIBRARY_STATE_DIR"]
 
 logger = logging.getLogger(__name__)
-
-#: The accelerate releases (major.minor) whose private attributes :func:`_register_prepared` was checked on.
-CHECKED_ACCELERATE_VERSIONS = ("1.16",)
-
-#: The checkpointed record of the first launch (see :class:`_FirstLaunch`).
-LAUNCH_STATE_NAME = "adaptive.integrations.accelerate"
 
 #: Accelerate's distributed types that are data parallelism, which AdaptiveDataParallel replaces.
 _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
-
-def _register_prepared(accelerator: Accelerator, kind: str, obj: Any) -> None:
-    """Register a prepared optimizer or scheduler where Accelerate keeps its own.
-
-    ``Accelerator.prepare_optimizer`` and ``prepare_scheduler`` build
-    Accelerate's own wrapper classes and append them to the private lists
-    ``_optimizers`` and ``_schedulers``, which ``save_state``, ``load_state``,
-    ``unscale_gradients``, ``clip_grad_norm_`` and ``free_memory`` walk;
-    no public method registers an instance of a subclass.  Checked on
-    accelerate 1.16.0 (:data:`CHECKED_ACCELERATE_VERSIONS`); this is the
-    only place this module touches a private attribute of accelerate.
-    """
-    attribute = {"optimizer": "_optimizers", "scheduler": "_schedulers"}[kind]
-    registry = getattr(accelerator, attribute, None)
-    if not isinstance(registry, list):
-        raise RuntimeError(f"accelerate {accelerate.__version__} has no list Accelerator.{attribute}; "
-                           f"AdaptiveAccelerator was checked on accelerate {', '.join(CHECKED_ACCELERATE_VERSIONS)}")
-    registry.append(obj)
-
-
-def _check_accelerate_version() -> None:
-    """Log once, as a warning, when the installed accelerate is not one this module was checked on."""
-    found = ".".join(accelerate.__version__.split(".")[:2])
-    if found not in CHECKED_ACCELERATE_VERSIONS:
-        logger.warning("AdaptiveAccelerator was checked on accelerate %s, found %s",
-                       ", ".join(CHECKED_ACCELERATE_VERSIONS), accelerate.__version__)
-
-
-_check_accelerate_version()
-
-
-def _gradients_complete() -> bool:
-    """Whether the micro-batch being trained ends its optimizer step (True outside loader loops).
-
-    The one rule of this module for Accelerate's ``sync_gradients``: the
-    running loader's plan, as the library's optimizer hooks follow it.
-    """
-    loader = current_dataloader()
-    return loader is None or not loader.is_accumulation_step()
-
-
-class _FirstLaunch(State):
-    """The world size and accumulation of the job's first launch, checkpointed.
-
-    The global batch of every loader the accelerator converts is computed
-    from them, so that a relaunch on another number of processes keeps it;
-    the scheduler steps per optimizer step (Accelerate's convention: one per
-    process) are kept for the same reason.
-    """
-
-    def __init__(self, num_processes: int, gradient_accumulation_steps: int) -> None:
-        super().__init__(LAUNCH_STATE_NAME)
-        self.num_processes = num_processes
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.restored = load_state(self)
-        if self.restored and (self.num_processes, self.gradient_accumulation_steps) != (
-                num_processes, gradient_accumulation_steps) and env.rank() == 0:
-            logger.info("first launch: %d processes x %d accumulation steps; now %d processes x %d: the batch "
-                        "sizes and scheduler steps of the first launch are kept", self.num_processes,
-                        self.gradient_accumulation_steps, num_processes, gradient_accumulation_steps)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"num_processes": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_processes = int(state["num_processes"])
-        self.gradient_accumulation_steps = int(state["gradient_accumulation_steps"])
-
-
-class _AdaptiveOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper, stepping and zeroing by the loader's plan of micro-steps.
-
-    ``step`` and ``zero_grad`` act only on the micro-batch that ends an
-    optimizer step, as Accelerate's do under ``accumulate()``.  The
-    library's own hook on ``zero_grad`` lets it act only on the *first*
-    micro-step (a plain loop zeroes before ``backward``); Accelerate's loop
-    zeroes after ``optimizer.step()`` on the last one, so the optimizer
-    class's ``zero_grad`` is called directly.
-    """
-
-    def step(self, closure: Any = None) -> None:
-        self.gradient_state.sync_gradients = _gradients_complete()
-        super().step(closure)
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        if not _gradients_complete():
-            return
-        self.gradient_state.sync_gradients = True
-        type(self.optimizer).zero_grad(self.optimizer, set_to_none=True if set_to_none is None else set_to_none)
-
-
-class _AdaptiveScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper, stepping by the loader's plan and the first launch's process count.
-
-    Accelerate steps the scheduler once per process at each optimizer step
-    (``split_batches=False``), because its scripts size schedules in
-    per-process batches.  The global batch here is the first launch's at any
-    world size, so the scheduler steps as many times as the first launch had
-    processes: the schedule follows samples across rescales.
-    """
-
-    def __init__(self, scheduler: Any, optimizer: AcceleratedOptimizer, *, step_with_optimizer: bool,
-                 split_batches: bool, steps_per_update: int) -> None:
-        super().__init__(scheduler, optimizer, step_with_optimizer=step_with_optimizer, split_batches=split_batches)
-        self.steps_per_update = steps_per_update  # replaces Accelerate's count (the current processes) in step()
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-            return
-        if not _gradients_complete() or any(opt.step_was_skipped for opt in self.optimizers):
-            return
-        for _ in range(self.steps_per_update):
-            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
-            if total is not None and self.scheduler.last_epoch >= total:
-                return
-            self.scheduler.step(*args, **kwargs)
+check_accelerate_version()
 
 
 class AdaptiveAccelerator(Accelerator):
@@ -228,7 +119,7 @@ class AdaptiveAccelerator(Accelerator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs)
         arguments = bound.arguments
-        cpu = bool(arguments.get("cpu", False)) or _env_flag("ACCELERATE_USE_CPU")
+        cpu = bool(arguments.get("cpu", False)) or env_flag("ACCELERATE_USE_CPU")
         gloo = cpu or not torch.cuda.is_available()
         init_process_group("gloo" if gloo else None)
         if gloo:
@@ -245,7 +136,10 @@ class AdaptiveAccelerator(Accelerator):
         if self.num_processes != world:
             raise RuntimeError(f"Accelerate sees {self.num_processes} processes but the job's process group has "
                                f"{world}; launch with adaptive-run or torchrun")
-        self._first_launch = _FirstLaunch(self.num_processes, self.gradient_state.num_steps)
+        self._first_launch = LaunchRecord(self.num_processes, self.gradient_state.num_steps)
+        self._adaptive_schedulers: list[AdaptiveScheduler] = []
+        self.register_save_state_pre_hook(self._save_library_state)
+        self.register_load_state_pre_hook(self._load_library_state)
 
     def _refuse_unsupported(self) -> None:
         """What AdaptiveDataParallel cannot replace: say which argument asked for it."""
@@ -286,13 +180,13 @@ class AdaptiveAccelerator(Accelerator):
                 self._adaptive_loaders.append(obj)
             elif isinstance(obj, torch.utils.data.DataLoader):
                 result[i] = self.prepare_data_loader(obj)
-        optimizers = {i: obj for i, obj in enumerate(args) if _is_plain(obj, torch.optim.Optimizer)}
-        schedulers = {i: obj for i, obj in enumerate(args) if _is_scheduler(obj)}
+        optimizers = {i: obj for i, obj in enumerate(args) if is_plain(obj, torch.optim.Optimizer)}
+        schedulers = {i: obj for i, obj in enumerate(args) if is_scheduler(obj)}
         used: set[int] = set()
         for i, obj in enumerate(args):
-            if isinstance(obj, AdaptiveDataParallel) or not _is_plain(obj, torch.nn.Module):
+            if isinstance(obj, AdaptiveDataParallel) or not is_plain(obj, torch.nn.Module):
                 continue
-            owned = _optimizers_of(obj, optimizers)
+            owned = optimizers_of(obj, optimizers)
             if not owned:
                 result[i] = super().prepare_model(obj, device_placement=placement[i], evaluation_mode=True)
                 continue
@@ -300,7 +194,7 @@ class AdaptiveAccelerator(Accelerator):
                 raise ValueError(f"the model at position {i} of prepare() has {len(owned)} optimizers; "
                                  "AdaptiveDataParallel takes one optimizer per model")
             (j,) = owned
-            k = _scheduler_of(optimizers[j], schedulers, j)
+            k = scheduler_of(optimizers[j], schedulers, j)
             self._prepare_training(result, placement, i, j, k)
             used.update({j} if k is None else {j, k})
         for what, found in (("optimizer", optimizers), ("LR scheduler", schedulers)):
@@ -327,15 +221,17 @@ class AdaptiveAccelerator(Accelerator):
         if self.ddp_handler is not None:
             self.ddp_handler.register_comm_hook(wrapped)
         placement = self.device_placement if device_placement[j] is None else device_placement[j]
-        prepared_optimizer = _AdaptiveOptimizer(optimizer, device_placement=placement, scaler=self.scaler)
-        _register_prepared(self, "optimizer", prepared_optimizer)
+        prepared_optimizer = AdaptiveOptimizer(optimizer, device_placement=placement, scaler=self.scaler)
+        prepared_optimizer.on_step = self._first_launch.step_taken
+        register_prepared(self, "optimizer", prepared_optimizer)
         result[i], result[j] = wrapped, prepared_optimizer
         if k is not None:
-            steps = 1 if self.split_batches else self._first_launch.num_processes
-            prepared_scheduler = _AdaptiveScheduler(scheduler, prepared_optimizer, steps_per_update=steps,
+            prepared_scheduler = AdaptiveScheduler(scheduler, prepared_optimizer,
+                                                   steps_per_update=self.scheduler_steps_per_update,
                                                     step_with_optimizer=self.step_scheduler_with_optimizer,
                                                     split_batches=self.split_batches)
-            _register_prepared(self, "scheduler", prepared_scheduler)
+            register_prepared(self, "scheduler", prepared_scheduler)
+            self._adaptive_schedulers.append(prepared_scheduler)
             result[k] = prepared_scheduler
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
@@ -365,15 +261,12 @@ class AdaptiveAccelerator(Accelerator):
         first = self._first_launch
         processes = 1 if self.split_batches else first.num_processes
         global_batch = per_process * processes * first.gradient_accumulation_steps
-        if first.gradient_accumulation_steps > 1 and env.rank() == 0:
-            logger.warning("gradient_accumulation_steps=%d: the loader takes %d samples per optimizer step as one "
-                           "micro-batch per process (%d samples per process on %d processes); AdaptiveDataLoader "
-                           "accumulates sample batches only under loader.autoscale_batch_size("
-                           "gradient_accumulation=True)", first.gradient_accumulation_steps, global_batch,
-                           global_batch // self.num_processes, self.num_processes)
         seed = data_loader.generator.initial_seed() if data_loader.generator is not None else 0
+        # Accelerate's accumulation: each optimizer step is gradient_accumulation_steps micro-batches of the
+        # DataLoader's batch_size per process of the first launch (split over the processes there are now)
         loader = AdaptiveDataLoader(data_loader.dataset, batch_size=global_batch, shuffle=shuffle, seed=seed,
-                                    drop_last=data_loader.drop_last, **kwargs)
+                                    drop_last=data_loader.drop_last,
+                                    accumulation_steps=first.gradient_accumulation_steps, **kwargs)
         if env.rank() == 0:
             logger.info("DataLoader (batch_size=%d per process) -> AdaptiveDataLoader %s: global batch %d "
                         "(%d per process x %d processes x %d accumulation steps of the first launch%s)",
@@ -406,12 +299,57 @@ class AdaptiveAccelerator(Accelerator):
         raise ValueError("AdaptiveAccelerator prepares an LR scheduler together with its model and optimizer: "
                          "call prepare(model, optimizer, lr_scheduler)")
 
+    # ------------------------------------------------------------------ counters, save_state, load_state
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps taken over the whole job, restarts and rescales included.
+
+        The steps of the loaders the optimizer stepped in (their
+        checkpointed ``loader.step``), counting the step just taken inside
+        the loop body: a script that counts steps starts from it
+        (``completed_steps = accelerator.completed_steps``) and stops where an
+        uninterrupted run stops.  0 before the first optimizer step.
+        """
+        return completed_steps(self._first_launch, self._adaptive_loaders)
+
+    @property
+    def scheduler_steps_per_update(self) -> int:
+        """How many times a prepared LR scheduler steps at each optimizer step, at every world size.
+
+        The first launch's process count (1 with ``split_batches=True``):
+        size a schedule in optimizer steps times this, where transformers'
+        scripts multiply by ``accelerator.num_processes`` (which changes when
+        the job is relaunched on another number of processes).
+        """
+        return 1 if self.split_batches else self._first_launch.num_processes
+
+    @property
+    def samples_seen(self) -> int:
+        """Training samples of the whole job (tokens, for a token-budget loader): the loaders' ``consumed``."""
+        return samples_seen(self._first_launch, self._adaptive_loaders)
+
+    def _save_library_state(self, models: list[torch.nn.Module], weights: list[Any], output_dir: str) -> None:
+        """Accelerate's save_state pre-hook: the library's checkpoint in ``output_dir/adaptive``."""
+        save_library_state(output_dir, self._first_launch)
+
+    def _load_library_state(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        """Accelerate's load_state pre-hook: the library's state from ``input_dir/adaptive``."""
+        before = (self._first_launch.num_processes, self._first_launch.gradient_accumulation_steps)
+        if not load_library_state(input_dir):
+            return
+        record = self._first_launch
+        if (record.num_processes, record.gradient_accumulation_steps) != before:
+            record.log_first_launch(self.num_processes, self.gradient_state.num_steps)
+        for scheduler in self._adaptive_schedulers:  # the saved job's first launch sets the scheduler's steps
+            scheduler.steps_per_update = self.scheduler_steps_per_update
+
     # ------------------------------------------------------------------ accumulation
 
     @property
     def sync_gradients(self) -> bool:
         """True on the micro-batch that ends an optimizer step of the running loader (and outside loops)."""
-        return _gradients_complete()
+        return gradients_complete()
 
     @sync_gradients.setter
     def sync_gradients(self, sync_gradients: bool) -> None:
@@ -441,7 +379,7 @@ class AdaptiveAccelerator(Accelerator):
         The model wrapper already skips the gradient all-reduce on every
         micro-batch but the last of a step, so nothing else is needed here.
         """
-        self.gradient_state.sync_gradients = _gradients_complete()
+        self.gradient_state.sync_gradients = gradients_complete()
         yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -498,33 +436,3 @@ class AdaptiveAccelerator(Accelerator):
         width = max(counts)
         return torch.cat([gathered[rank * width:rank * width + count] for rank, count in enumerate(counts)])
 
-
-def _env_flag(name: str) -> bool:
-    """Whether the environment variable ``name`` is set to a true value, as Accelerate reads its flags."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _is_plain(obj: Any, kind: type) -> bool:
-    """``obj`` is a ``kind`` and not one of Accelerate's wrappers (those are returned unchanged)."""
-    return isinstance(obj, kind) and not isinstance(obj, AcceleratedOptimizer)
-
-
-def _is_scheduler(obj: Any) -> bool:
-    """A torch LR scheduler (``LRScheduler``, or ``ReduceLROnPlateau`` on torch releases where it is not one)."""
-    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
-
-
-def _optimizers_of(model: torch.nn.Module, optimizers: dict[int, torch.optim.Optimizer]) -> list[int]:
-    """Positions of the optimizers whose parameters all belong to ``model``."""
-    params = {id(param) for param in model.parameters()}
-    return [i for i, optimizer in optimizers.items()
-            if all(id(param) in params for group in optimizer.param_groups for param in group["params"])]
-
-
-def _scheduler_of(optimizer: torch.optim.Optimizer, schedulers: dict[int, Any], position: int) -> int | None:
-    """The position of the scheduler stepping ``optimizer`` (None if none was given)."""
-    owned = [k for k, scheduler in schedulers.items() if getattr(scheduler, "optimizer", None) is optimizer]
-    if len(owned) > 1:
-        raise ValueError(f"the optimizer at position {position} of prepare() has {len(owned)} LR schedulers; "
-                         "AdaptiveDataParallel checkpoints one")
-    return owned[0] if owned else None

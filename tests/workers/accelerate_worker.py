@@ -13,14 +13,21 @@ Environment knobs:
     WORKER_BATCH        DataLoader batch_size, per process (default 4)
     WORKER_EPOCHS       epochs (default 3)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.1)
+    WORKER_ACCUMULATION gradient_accumulation_steps of the AdaptiveAccelerator (default 1)
+    WORKER_DTYPE        dtype of the model and data: float32 (default) or float64 (exact comparisons)
+    WORKER_MAX_STEPS    stop after this many optimizer steps, counted from accelerator.completed_steps as
+                        transformers' *_no_trainer scripts count --max_train_steps (default 0: no limit)
+    WORKER_SAVE_EVERY   accelerator.save_state(WORKER_OUT/saved) every this many steps (default 0: never)
+    WORKER_LOAD_FROM    accelerator.load_state(this folder) after prepare, as --resume_from_checkpoint does
 
-Rank 0 rewrites ``progress.rank0.json`` after every step (pid, epoch, loader
-step, world) and appends each step's planned global batch and actual size to
+Every rank rewrites ``progress.rank<R>.json`` after every step (pid, epoch,
+loader step, world); rank 0 appends each step's planned global batch and actual size to
 ``steps.jsonl``; at the end of each epoch it appends to ``epochs.jsonl`` the
 training samples missed and repeated (per-sample counts summed over the
 processes by an Accumulator) and the evaluation indices that
 ``gather_for_metrics`` returned; at the end ``done.json`` (loader steps, the
-scheduler's step count, world).  Every process appends its exit status to
+accelerator's step and sample counters, the scheduler's step count, world,
+the final weights).  Every process appends its exit status to
 ``exits.rank<R>.jsonl``.
 """
 
@@ -41,22 +48,28 @@ EVAL = int(os.environ.get("WORKER_EVAL", "10"))
 BATCH = int(os.environ.get("WORKER_BATCH", "4"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.1"))
+ACCUMULATION = int(os.environ.get("WORKER_ACCUMULATION", "1"))
+DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
+MAX_STEPS = int(os.environ.get("WORKER_MAX_STEPS", "0"))
+SAVE_EVERY = int(os.environ.get("WORKER_SAVE_EVERY", "0"))
+LOAD_FROM = os.environ.get("WORKER_LOAD_FROM")
 
 
 def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
     """``samples`` regression samples ``(x, y, index)``, the same on every process."""
     generator = torch.Generator().manual_seed(offset)
-    x = torch.randn(samples, 4, generator=generator)
-    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(samples, generator=generator)
+    x = torch.randn(samples, 4, generator=generator, dtype=DTYPE)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=DTYPE) + 0.1 * torch.randn(samples, generator=generator,
+                                                                                 dtype=DTYPE)
     return torch.utils.data.TensorDataset(x, y.unsqueeze(1), torch.arange(samples))
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
-    accelerator = AdaptiveAccelerator()
+    accelerator = AdaptiveAccelerator(gradient_accumulation_steps=ACCUMULATION)
     rank, world = accelerator.process_index, accelerator.num_processes
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1).to(DTYPE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     train_loader = torch.utils.data.DataLoader(dataset(SAMPLES, 1), batch_size=BATCH, shuffle=True)
@@ -64,6 +77,9 @@ def main() -> None:
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
     counts = adaptive.Accumulator()
+    if LOAD_FROM:
+        accelerator.load_state(LOAD_FROM)
+    completed_steps = accelerator.completed_steps  # was 0, or the step parsed from a checkpoint's folder name
 
     for epoch in adaptive.remaining_epochs_until(EPOCHS):
         model.train()
@@ -75,14 +91,24 @@ def main() -> None:
                 lr_scheduler.step()
                 optimizer.zero_grad()
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+            if accelerator.sync_gradients:
+                completed_steps += 1
+                assert completed_steps == accelerator.completed_steps, (completed_steps, accelerator.completed_steps)
+                if SAVE_EVERY and completed_steps % SAVE_EVERY == 0:
+                    accelerator.save_state(os.path.join(OUT, "saved"))
             if rank == 0:
                 step = train_loader.current_step
                 append_jsonl(os.path.join(OUT, "steps.jsonl"), {
                     "step": train_loader.step, "world": world, "planned": step.planned_size, "size": step.size,
-                    "batch_size": train_loader.batch_size, "sync": accelerator.sync_gradients})
-                write_json(os.path.join(OUT, "progress.rank0.json"), {
-                    "pid": os.getpid(), "epoch": epoch, "step": train_loader.step, "world": world})
+                    "batch_size": train_loader.batch_size, "sync": accelerator.sync_gradients, "local": len(index),
+                    "accumulation": accelerator.gradient_accumulation_steps,
+                    "completed": completed_steps, "samples": accelerator.samples_seen})
+            write_json(os.path.join(OUT, f"progress.rank{rank}.json"), {
+                "pid": os.getpid(), "epoch": epoch, "step": train_loader.step, "world": world})
             time.sleep(STEP_SLEEP)
+            if MAX_STEPS and completed_steps >= MAX_STEPS:
+                adaptive.finish_training()  # a relaunch trains nothing more
+                break
         model.eval()
         gathered = []
         with torch.no_grad():
@@ -94,11 +120,13 @@ def main() -> None:
             if rank == 0:
                 append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
                     "epoch": epoch, "world": world, "missing": int((seen == 0).sum()),
-                    "extra": int((seen - 1).clip(min=0).sum()), "eval": torch.cat(gathered).tolist()})
+                    "extra": int((seen - 1).clip(min=0).sum()), "eval": torch.cat(gathered).tolist() if gathered else []})
             counts.clear()
     if rank == 0:
-        write_json(os.path.join(OUT, "done.json"), {"step": train_loader.step, "world": world,
-                                                    "scheduler_steps": lr_scheduler.scheduler.last_epoch})
+        write_json(os.path.join(OUT, "done.json"), {
+            "step": train_loader.step, "world": world, "scheduler_steps": lr_scheduler.scheduler.last_epoch,
+            "completed_steps": accelerator.completed_steps, "samples_seen": accelerator.samples_seen,
+            "weights": [value for tensor in model.module.state_dict().values() for value in tensor.flatten().tolist()]})
 
 
 if __name__ == "__main__":
