@@ -278,6 +278,28 @@ def test_a_regroup_folds_the_last_measurement_before_the_schedule_restarts(proce
     assert gns.num_updates == 9  # every step measured, before and after the change
 
 
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.Adam], ids=["plain", "preconditioned"])
+@pytest.mark.parametrize("accum", [1, 2], ids=["differenced", "accumulation"])
+def test_a_float64_model_is_measured(process_group, optimizer_cls, accum):
+    """Norms of float64 gradients are summed in float64 (a float32 accumulation of them is an error in torch)."""
+    problem = Problem(seed=21)
+    model = problem.model().double()
+    optimizer = _two_groups(model, optimizer_cls)
+    ddp = DistributedDataParallel(model)
+    gns = GradientNoiseScale(optimizer)
+    gns.attach(ddp)
+    gns.set_batch_config(init_batch_size=LOCAL_BSZ, local_bsz=LOCAL_BSZ, accum_steps=accum)
+    gen = torch.Generator().manual_seed(22)
+    for _ in range(4):
+        optimizer.zero_grad()
+        for micro in range(accum):
+            x, y = problem.batch(gen, LOCAL_BSZ)
+            with (torch.enable_grad() if micro == accum - 1 else ddp.no_sync()):
+                (0.5 * ((ddp(x.double()) - y.double()) ** 2).mean()).backward()
+        optimizer.step()
+    assert gns.enabled and gns.num_updates > 0 and math.isfinite(gns.noise_scale())
+
+
 def test_readouts_before_measurement_and_state_dict(process_group):
     problem = Problem(seed=15)
     ddp, optimizer, gns = _setup(problem, accum=2)

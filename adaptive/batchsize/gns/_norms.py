@@ -22,6 +22,16 @@ from adaptive.batchsize.gns._precondition import Preconditioner
 
 __all__ = ["GroupNorms"]
 
+#: Gradient dtypes whose norms are accumulated in float32; wider ones (float64) in their own precision.
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _norm32(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of ``tensor`` as a float32 scalar (a float64 gradient is not narrowed before it is summed)."""
+    if tensor.dtype in _NARROW:
+        return torch.linalg.vector_norm(tensor, dtype=torch.float32)
+    return torch.linalg.vector_norm(tensor).float()
+
 
 class GroupNorms:
     """Squared norms of the tracked parameters' gradients, per parameter group.
@@ -79,13 +89,16 @@ class GroupNorms:
         return work[:like.numel()].view(like.shape)
 
     def _preconditioned(self, grad: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """``grad * root`` in the reusable workspace (valid until the next call)."""
+        """``grad * root`` in the reusable workspace (valid until the next call; a new tensor for a float64
+        gradient, which the float32 workspace cannot hold)."""
+        if grad.dtype not in _NARROW:
+            return torch.mul(grad, root)
         return torch.mul(grad, root, out=self._workspace(grad))
 
     def sq_norm(self, grad: torch.Tensor, root: torch.Tensor | None) -> torch.Tensor:
         """``|grad * root|^2`` (``|grad|^2`` without a root), as a float32 scalar tensor."""
         source = grad if root is None else self._preconditioned(grad, root)
-        return torch.linalg.vector_norm(source, dtype=torch.float32).square()
+        return _norm32(source).square()
 
     def _grad(self, index: int) -> torch.Tensor:
         grad = self._grad_of(self._params[index])
@@ -108,14 +121,15 @@ class GroupNorms:
     def group_sq(self, indices: Sequence[int]) -> torch.Tensor:
         """Per-group squared norms of the (preconditioned) gradients of ``indices``."""
         roots = self._roots()
-        plain = [i for i in indices if roots[i] is None]
+        plain = [i for i in indices if roots[i] is None and self._grad(i).dtype in _NARROW]
         values = []
         if plain:
             norms = torch_internals.foreach_norm([self._grad(i) for i in plain], 2, dtype=torch.float32)
             values += [norm.square() for norm in norms]
-        scaled = [i for i in indices if roots[i] is not None]
-        values += [self.sq_norm(self._grad(i), roots[i]) for i in scaled]
-        return self._by_group(plain + scaled, values)
+        narrow = set(plain)
+        rest = [i for i in indices if i not in narrow]  # preconditioned, or float64
+        values += [self.sq_norm(self._grad(i), roots[i]) for i in rest]
+        return self._by_group(plain + rest, values)
 
     def differenced(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``|g_t|^2``, ``|g_{t-1}|^2`` and ``g_{t-1} . g_t`` per group.
@@ -132,7 +146,7 @@ class GroupNorms:
             if root is not None:
                 saved.mul_(root)
                 grad = self._preconditioned(grad, root)
-            cur.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            cur.append(_norm32(grad).square())
             prev.append(torch.linalg.vector_norm(saved).square())
             cross.append(torch.dot(grad.reshape(-1).float(), saved.reshape(-1)))
         return self._by_group(indices, cur), self._by_group(indices, prev), self._by_group(indices, cross)
