@@ -551,6 +551,41 @@ def test_save_state_on_2_processes_load_state_on_3_goes_on_exactly(jobs, tmp_pat
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+def test_live_a_node_joins_and_leaves_and_the_job_ends_with_the_uninterrupted_weights(jobs, tmp_path, uninterrupted):
+    """``adaptive-run --live``: one node trains alone, a second joins (Accelerate's process count and index follow,
+    the global batch stays 12: 12 on one, 6 + 6 on two), then leaves on SIGTERM (143) while the first goes on in
+    the same process; every sample once per epoch, every step once, the uninterrupted run's weights."""
+    import portpicker
+
+    out = tmp_path / "live"
+    port = portpicker.pick_unused_port()
+    live = ["--live", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    full_speed = tmp_path / "full-speed"  # the steps sleep until the test made its changes
+    job = dict(_JOB, WORKER_BATCH="12", WORKER_STEP_SLEEP="0.6", WORKER_SLEEP_UNTIL=str(full_speed),
+               ADAPTIVE_CHECKPOINT_INTERVAL="0")
+    first = jobs.launch(live, out, "first.log", script=WORKER, **job)
+    micro = lambda: _jsonl(out / "steps.jsonl") if (out / "steps.jsonl").exists() else []  # noqa: E731
+    wait_for(lambda: len(micro()) >= 3, 60, "the first node to train")
+    second = jobs.launch(live, out, "second.log", script=WORKER, **job)
+    wait_for(lambda: sum(r["world"] == 2 for r in micro()) >= 3, 90, "the second node to join and train")
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, tail(out / "second.log")
+    wait_for(lambda: micro()[-1]["world"] == 1, 30, "the first node to train alone again")
+    full_speed.touch()
+    assert wait_exit(first, 90, out / "first.log") == 0, tail(out / "first.log")
+    records = micro()
+    worlds = [r["world"] for r in records]
+    assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1, worlds
+    assert {(r["planned"], r["size"]) for r in records} == {(12, 12)}, records  # the first launch's global batch
+    assert {(r["world"], r["local"]) for r in records} == {(1, 12), (2, 6)}, records
+    assert [r["step"] for r in records] == list(range(20)), [r["step"] for r in records]  # no step twice
+    done = json.loads((out / "done.json").read_text())
+    _assert_counts(out, done, first_launch=1)
+    _assert_weights(done, uninterrupted)
+
+
+@pytest.mark.distributed
 def test_the_accelerate_example_trains_on_2_processes_under_adaptive_run_and_a_relaunch_trains_nothing(tmp_path):
     """``examples/hf_accelerate_classifier.py`` as its docstring runs it, shortened by its own options."""
     pytest.importorskip("transformers", reason="the example needs transformers (the huggingface extra)")

@@ -2,7 +2,8 @@
 
 Also the one place where the integration touches a private attribute of
 accelerate (:func:`register_prepared`) and the version it was checked on,
-and the small helpers :meth:`AdaptiveAccelerator.prepare` sorts its
+what keeps Accelerate's process count and index true in live mode
+(:func:`follow_job_membership`), and the small helpers :meth:`AdaptiveAccelerator.prepare` sorts its
 arguments with.  Import :mod:`adaptive.integrations.accelerate`, which says
 which extra to install when accelerate is missing.
 """
@@ -15,15 +16,17 @@ from typing import Any, Callable
 
 # accelerate ships no type information (no py.typed): its names are Any to the type checker.
 import accelerate  # type: ignore[import-untyped]
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
 from accelerate.scheduler import AcceleratedScheduler  # type: ignore[import-untyped]
 
 import torch
 
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
+from adaptive.runtime import env, membership
 
-__all__ = ["CHECKED_ACCELERATE_VERSIONS", "register_prepared", "check_accelerate_version", "gradients_complete",
+__all__ = ["CHECKED_ACCELERATE_VERSIONS", "register_prepared", "check_accelerate_version", "follow_job_membership",
+           "gradients_complete",
            "AdaptiveOptimizer", "AdaptiveScheduler", "env_flag", "is_plain", "is_scheduler", "optimizers_of",
            "scheduler_of"]
 
@@ -50,6 +53,29 @@ def register_prepared(accelerator: Accelerator, kind: str, obj: Any) -> None:
         raise RuntimeError(f"accelerate {accelerate.__version__} has no list Accelerator.{attribute}; "
                            f"AdaptiveAccelerator was checked on accelerate {', '.join(CHECKED_ACCELERATE_VERSIONS)}")
     registry.append(obj)
+
+
+def follow_job_membership(accelerator: Accelerator) -> None:
+    """Live mode: after every membership change, Accelerate's process count and index are the new generation's.
+
+    Accelerate reads them once, when its state is built
+    (``PartialState.num_processes`` / ``process_index``, copied into the
+    ``AcceleratorState``); a script reads them through
+    ``accelerator.num_processes``, ``process_index`` and
+    ``is_main_process``, which a live job's joins and leaves change.  The
+    new values are set on both states, as public attributes, whenever the
+    library rebuilt the job's process group.
+    """
+    if not membership.is_live():
+        return
+    state = accelerator.state
+
+    def follow() -> None:
+        replicas, rank = env.num_replicas(), env.rank()
+        for shared in (PartialState(), state):
+            shared.num_processes, shared.process_index = replicas, rank
+
+    membership.on_regroup(follow)
 
 
 def check_accelerate_version() -> None:

@@ -90,6 +90,7 @@ from adaptive.integrations._accelerate_state import (LAUNCH_STATE_NAME, LIBRARY_
                                                      save_library_state)
 from adaptive.integrations._accelerate_wrappers import (CHECKED_ACCELERATE_VERSIONS, AdaptiveOptimizer,
                                                         AdaptiveScheduler, check_accelerate_version, env_flag,
+                                                        follow_job_membership,
                                                         gradients_complete, is_plain, is_scheduler, optimizers_of,
                                                         register_prepared, scheduler_of)
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
@@ -137,6 +138,7 @@ class AdaptiveAccelerator(Accelerator):
             raise RuntimeError(f"Accelerate sees {self.num_processes} processes but the job's process group has "
                                f"{world}; launch with adaptive-run or torchrun")
         self._first_launch = LaunchRecord(self.num_processes, self.gradient_state.num_steps)
+        follow_job_membership(self)
         self._adaptive_schedulers: list[AdaptiveScheduler] = []
         self.register_save_state_pre_hook(self._save_library_state)
         self.register_load_state_pre_hook(self._load_library_state)

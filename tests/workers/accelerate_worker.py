@@ -13,6 +13,8 @@ Environment knobs:
     WORKER_BATCH        DataLoader batch_size, per process (default 4)
     WORKER_EPOCHS       epochs (default 3)
     WORKER_STEP_SLEEP   seconds each step sleeps, to give tests time to act (default 0.1)
+    WORKER_SLEEP_UNTIL  a path: the steps sleep only until that file exists (a test slows the job down while it
+                        acts on it, then lets it run at full speed)
     WORKER_ACCUMULATION gradient_accumulation_steps of the AdaptiveAccelerator (default 1)
     WORKER_DTYPE        dtype of the model and data: float32 (default) or float64 (exact comparisons)
     WORKER_MAX_STEPS    stop after this many optimizer steps, counted from accelerator.completed_steps as
@@ -40,6 +42,7 @@ import torch
 
 import adaptive
 from adaptive.integrations.accelerate import AdaptiveAccelerator
+from adaptive.runtime import membership
 from worker_common import append_jsonl, run_main, write_json
 
 OUT = os.environ["WORKER_OUT"]
@@ -48,6 +51,7 @@ EVAL = int(os.environ.get("WORKER_EVAL", "10"))
 BATCH = int(os.environ.get("WORKER_BATCH", "4"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.1"))
+SLEEP_UNTIL = os.environ.get("WORKER_SLEEP_UNTIL")
 ACCUMULATION = int(os.environ.get("WORKER_ACCUMULATION", "1"))
 DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
 MAX_STEPS = int(os.environ.get("WORKER_MAX_STEPS", "0"))
@@ -68,7 +72,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
     accelerator = AdaptiveAccelerator(gradient_accumulation_steps=ACCUMULATION)
-    rank, world = accelerator.process_index, accelerator.num_processes
     model = torch.nn.Linear(4, 1).to(DTYPE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -92,10 +95,15 @@ def main() -> None:
                 optimizer.zero_grad()
             counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
             if accelerator.sync_gradients:
-                completed_steps += 1
-                assert completed_steps == accelerator.completed_steps, (completed_steps, accelerator.completed_steps)
+                if membership.is_live():  # a joiner counted nothing before it was admitted: read the job's count
+                    completed_steps = accelerator.completed_steps
+                else:  # as transformers' scripts count, which the accelerator's count must match
+                    completed_steps += 1
+                    assert completed_steps == accelerator.completed_steps, (completed_steps,
+                                                                            accelerator.completed_steps)
                 if SAVE_EVERY and completed_steps % SAVE_EVERY == 0:
                     accelerator.save_state(os.path.join(OUT, "saved"))
+            rank, world = accelerator.process_index, accelerator.num_processes  # (a live job's change them)
             if rank == 0:
                 step = train_loader.current_step
                 append_jsonl(os.path.join(OUT, "steps.jsonl"), {
@@ -104,8 +112,10 @@ def main() -> None:
                     "accumulation": accelerator.gradient_accumulation_steps,
                     "completed": completed_steps, "samples": accelerator.samples_seen})
             write_json(os.path.join(OUT, f"progress.rank{rank}.json"), {
-                "pid": os.getpid(), "epoch": epoch, "step": train_loader.step, "world": world})
-            time.sleep(STEP_SLEEP)
+                "pid": os.getpid(), "epoch": epoch, "step": train_loader.step, "world": world,
+                "generation": membership.generation_number()})
+            if not (SLEEP_UNTIL and os.path.exists(SLEEP_UNTIL)):
+                time.sleep(STEP_SLEEP)
             if MAX_STEPS and completed_steps >= MAX_STEPS:
                 adaptive.finish_training()  # a relaunch trains nothing more
                 break
@@ -117,11 +127,13 @@ def main() -> None:
                 gathered.append(accelerator.gather_for_metrics(index))
         with counts.synchronized():
             seen = counts["seen"]
+            rank, world = accelerator.process_index, accelerator.num_processes
             if rank == 0:
                 append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
                     "epoch": epoch, "world": world, "missing": int((seen == 0).sum()),
                     "extra": int((seen - 1).clip(min=0).sum()), "eval": torch.cat(gathered).tolist() if gathered else []})
             counts.clear()
+    rank, world = accelerator.process_index, accelerator.num_processes
     if rank == 0:
         write_json(os.path.join(OUT, "done.json"), {
             "step": train_loader.step, "world": world, "scheduler_steps": lr_scheduler.scheduler.last_epoch,
