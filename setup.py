@@ -26,7 +26,8 @@ setup(
         "tensorboard": ["tensorboard>=2.12"],
         "examples": ["scikit-learn>=1.2"],
         "ray": ["ray>=2.40"],
-        "huggingface": ["accelerate>=1.10", "transformers>=4.50"],
+        "huggingface": ["accelerate>=1.10", "transformers>=5.0"],
+        "lightning": ["lightning>=2.6,<2.7"],
     },
     entry_points={
         "console_scripts": [

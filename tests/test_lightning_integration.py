@@ -1,0 +1,411 @@
+"""AdaptiveStrategy (adaptive.integrations.lightning): a Lightning script made elastic.
+
+Single-process tests of what the strategy builds (the elastic training
+loader, the model wrapper, the environment), of accumulation and of a stop
+resumed in a new process state, then real ``adaptive-run`` jobs on 127.0.0.1
+(gloo): stopped with SIGTERM on 2 processes and resumed on 3, and a
+SIGKILLed worker, each ending with the weights of an uninterrupted run
+(marked slow), and the example script.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+lightning = pytest.importorskip("lightning", reason="the lightning extra is not installed "
+                                "(pip install adaptive-elastic[lightning])")
+
+import lightning as L  # noqa: E402
+
+import adaptive  # noqa: E402
+from elastic_harness import (REPO, Jobs, exit_codes, newest_checkpoint_step, progress, tail, wait_exit,  # noqa: E402
+                             wait_for)
+
+WORKER = REPO / "tests" / "workers" / "lightning_worker.py"
+
+
+def _dataset(n=24, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=generator, dtype=dtype)
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True), torch.arange(n))
+
+
+class _Module(L.LightningModule):
+    """A linear regression that records what it trained: (epoch, global_step, indices) per micro-batch."""
+
+    def __init__(self, batch_size=4, stop_after=None, shuffle=True, n=24):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1).double()
+        self.batch_size, self.stop_after, self.shuffle, self.n = batch_size, stop_after, shuffle, n
+        self.trained: list[tuple[int, int, list[int]]] = []
+        self.seen_in_fit: dict[str, object] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained.append((self.trainer.current_epoch, self.trainer.global_step, index.tolist()))
+        if self.stop_after is not None and len(self.trained) == self.stop_after:
+            adaptive.request_stop()
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]), sync_dist=True)
+
+    def on_train_start(self):
+        self.seen_in_fit.update(model=self.trainer.strategy.model, train=self.trainer.train_dataloader,
+                                val=self.trainer.val_dataloaders)
+
+    def configure_optimizers(self):
+        first = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=2, gamma=0.5)
+        return {"optimizer": first, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_dataset(self.n), batch_size=self.batch_size, shuffle=self.shuffle)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(_dataset(6), batch_size=3)
+
+
+def _trainer(**kwargs):
+    from adaptive.integrations.lightning import AdaptiveStrategy
+
+    options = dict(max_epochs=2, strategy=AdaptiveStrategy(), accelerator="cpu", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0)
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def test_import_without_lightning_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # what `import lightning.pytorch` meets when missing
+    monkeypatch.delitem(sys.modules, "adaptive.integrations.lightning", raising=False)
+    with pytest.raises(ImportError, match=r"pip install adaptive-elastic\[lightning\]"):
+        importlib.import_module("adaptive.integrations.lightning")
+
+
+def test_checked_lightning_version():
+    from adaptive.integrations.lightning import CHECKED_LIGHTNING_VERSIONS
+
+    assert ".".join(lightning.__version__.split(".")[:2]) in CHECKED_LIGHTNING_VERSIONS
+
+
+def test_environment_comes_from_torchrun_variables(monkeypatch):
+    from adaptive.integrations.lightning import AdaptiveEnvironment
+
+    for name, value in dict(RANK="4", WORLD_SIZE="6", LOCAL_RANK="1", LOCAL_WORLD_SIZE="3", GROUP_RANK="1",
+                            MASTER_ADDR="10.0.0.1", MASTER_PORT="29400").items():
+        monkeypatch.setenv(name, value)
+    environment = AdaptiveEnvironment()
+    assert environment.creates_processes_externally and AdaptiveEnvironment.detect()
+    assert (environment.global_rank(), environment.world_size(), environment.local_rank(),
+            environment.node_rank()) == (4, 6, 1, 1)
+    assert (environment.main_address, environment.main_port) == ("10.0.0.1", 29400)
+    environment.set_world_size(2)  # Lightning's own count of devices x nodes does not override the job's
+    environment.set_global_rank(0)
+    assert (environment.global_rank(), environment.world_size()) == (4, 6)
+
+
+def test_fit_trains_an_elastic_loader_and_the_library_wrapper(job):
+    """The training DataLoader becomes an AdaptiveDataLoader (same dataset, collate, order; no DistributedSampler),
+    the validation loader keeps Lightning's DistributedSampler, the model is an AdaptiveDataParallel holding the
+    optimizer and scheduler Lightning built; each sample once per epoch; the job is checkpointed as finished."""
+    module = _Module()
+    trainer = _trainer()
+    trainer.fit(module)
+    wrapper, train, val = module.seen_in_fit["model"], module.seen_in_fit["train"], module.seen_in_fit["val"]
+    assert isinstance(wrapper, adaptive.AdaptiveDataParallel) and wrapper.module is module
+    assert wrapper.optimizer is trainer.optimizers[0]
+    assert wrapper.lr_scheduler is trainer.lr_scheduler_configs[0].scheduler
+    loader = trainer.strategy.train_loader
+    assert isinstance(loader, adaptive.AdaptiveDataLoader) and loader.batch_size == 4 and loader.sampler.shuffle
+    assert train.loader is loader  # what Lightning iterates: the loader's epochs
+    assert isinstance(val.sampler, torch.utils.data.DistributedSampler)
+    for epoch in (0, 1):
+        indices = sorted(i for e, _, batch in module.trained if e == epoch for i in batch)
+        assert indices == list(range(24)), (epoch, indices)
+    assert [step for _, step, _ in module.trained] == list(range(12))
+    assert (trainer.global_step, trainer.current_epoch, loader.step) == (12, 2, 12)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12
+    assert adaptive.finished_epochs() == 2
+    (metrics,) = trainer.validate(module, verbose=False)  # the other stages run as under DDPStrategy
+    assert set(metrics) == {"val_loss"}
+
+
+def test_order_follows_the_dataloaders_sampler_and_seed(job, monkeypatch):
+    """A SequentialSampler trains in order; a RandomSampler is shuffled by seed_everything's seed (the same order
+    on every process and launch), a DataLoader's generator seeding it instead."""
+    from conftest import restart_process_state
+
+    module = _Module(shuffle=False)
+    trainer = _trainer(max_epochs=1)
+    trainer.fit(module)
+    assert [i for _, _, batch in module.trained for i in batch] == list(range(24))
+    assert not trainer.strategy.train_loader.sampler.shuffle
+
+    runs = iter(range(100))
+
+    def first_order(seed=None, generator=None):
+        restart_process_state()
+        monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / f"run{next(runs)}"))  # a new job each time
+        if seed is not None:
+            monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+
+        class Seeded(_Module):
+            def train_dataloader(self):
+                return torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True, generator=generator)
+
+        module = Seeded()
+        _trainer(max_epochs=1).fit(module)
+        return [i for _, _, batch in module.trained for i in batch]
+
+    assert first_order(seed=3) == first_order(seed=3) != first_order(seed=4)
+    assert first_order(seed=3, generator=torch.Generator().manual_seed(4)) == first_order(seed=4)
+
+
+def test_a_stop_resumes_at_the_exact_sample_with_lightnings_counters_and_the_uninterrupted_weights(job, monkeypatch):
+    """request_stop() (as SIGTERM) in epoch 0: every process would stop after the same step, checkpoint and exit
+    143; a new process state resumes: global_step and current_epoch carry on, each sample once per epoch, and
+    the final weights are those of an uninterrupted run, with accumulate_grad_batches=2 (loss scaled back)."""
+    from conftest import restart_process_state
+    from adaptive.elastic import sync_points
+
+    def run(stop_after=None):
+        module = _Module(batch_size=2, stop_after=stop_after)
+        trainer = _trainer(max_epochs=3, accumulate_grad_batches=2)
+        trainer.fit(module)
+        return module, trainer
+
+    reference, trainer = run()
+    final = reference.net.weight.detach().clone()
+    assert trainer.global_step == 18 and trainer.current_epoch == 3  # 24 samples / (2 x 2) = 6 steps per epoch
+    restart_process_state()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "interrupted"))
+    with pytest.raises(SystemExit) as stopped:
+        run(stop_after=15)  # in epoch 1
+    assert stopped.value.code == sync_points.GRACEFUL_EXIT_CODE
+    first = interrupted = None
+    restart_process_state()
+    resumed, trainer = run()
+    first = resumed.trained[0]
+    assert first[0] == 1 and 7 <= first[1] <= 9, first  # epoch 1, after the steps trained before the stop
+    interrupted = [record for record in reference.trained if (record[0], record[1]) < (first[0], first[1])]
+    assert resumed.trained == reference.trained[len(interrupted):]  # same samples, steps and epochs from there
+    assert (trainer.global_step, trainer.current_epoch) == (18, 3)
+    torch.testing.assert_close(resumed.net.weight.detach(), final, rtol=0, atol=1e-12)
+
+
+def test_max_steps_ends_training_mid_epoch_and_a_relaunch_trains_nothing(job):
+    """``max_steps`` reached inside an epoch: the step is committed and the job checkpointed as finished."""
+    from conftest import restart_process_state
+
+    module = _Module()
+    trainer = _trainer(max_epochs=-1, max_steps=8)
+    trainer.fit(module)
+    assert trainer.global_step == 8 and trainer.strategy.train_loader.step == 8 and adaptive.training_finished()
+    ended_in = trainer.current_epoch  # (Lightning counts the epoch that max_steps ended as processed)
+    restart_process_state()
+    again, trainer = _Module(), _trainer(max_epochs=-1, max_steps=8)
+    trainer.fit(again)
+    assert again.trained == [] and (trainer.global_step, trainer.current_epoch) == (8, ended_in)
+    torch.testing.assert_close(again.net.weight, module.net.weight, rtol=0, atol=0)
+
+
+def test_refusals_name_what_to_do(job):
+    from conftest import restart_process_state
+
+    class Manual(_Module):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="automatic optimization only"):
+        _trainer().fit(Manual())
+    restart_process_state()
+
+    class Custom(_Module):
+        def train_dataloader(self):
+            sampler = torch.utils.data.SubsetRandomSampler(range(5))
+            return torch.utils.data.DataLoader(_dataset(), batch_size=2, sampler=sampler)
+
+    with pytest.raises(ValueError, match="sampler SubsetRandomSampler cannot be honoured"):
+        _trainer().fit(Custom())
+    from adaptive.integrations.lightning import AdaptiveStrategy
+
+    with pytest.raises(ValueError, match="cluster_environment"):
+        AdaptiveStrategy(cluster_environment=object())
+
+
+# ---------------------------------------------------------------------- real jobs
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    harness = Jobs(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+#: The distributed tests' job: 96 samples, 3 epochs, float64; 3 samples per process x 2 processes x 2 accumulated
+#: batches on the first launch: a global batch of 12 (8 optimizer steps per epoch), which 3 processes split evenly.
+_JOB = dict(WORKER_SAMPLES="96", WORKER_BATCH="3", WORKER_ACCUMULATION="2", WORKER_EPOCHS="3", WORKER_DTYPE="float64")
+
+
+def _uninterrupted(job, monkeypatch, global_batch):
+    """``done.json`` of the same script run without interruption, here, on one process, with a fixed batch of
+    ``global_batch`` and no accumulation (the same mean gradient per step as the first launch's micro-batches
+    on its processes, up to rounding)."""
+    import runpy
+
+    out = job / f"uninterrupted{global_batch}"
+    out.mkdir()
+    for key, value in dict(_JOB, WORKER_BATCH=str(global_batch), WORKER_ACCUMULATION="1", WORKER_OUT=str(out),
+                           WORKER_STEP_SLEEP="0").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(WORKER.parent))  # worker_common, as for the script run by a launcher
+    runpy.run_path(str(WORKER), run_name="uninterrupted")["main"]()
+    done = json.loads((out / "done.json").read_text())
+    steps = 3 * 96 // global_batch
+    assert (done["global_step"], done["current_epoch"], done["scheduler_steps"]) == (steps, 3, steps), done
+    return done
+
+
+@pytest.fixture
+def uninterrupted(job, monkeypatch):
+    return _uninterrupted(job, monkeypatch, 12)
+
+
+def _assert_exact(out, done, steps=24):
+    """``steps`` optimizer steps (24 of 12 samples), every sample once in each of the 3 epochs, Lightning's
+    counters."""
+    assert (done["global_step"], done["current_epoch"], done["scheduler_steps"]) == (steps, 3, steps), done
+    epochs = {record["epoch"]: record for record in _jsonl(out / "epochs.jsonl")}  # the last record of each
+    assert sorted(epochs) == [0, 1, 2], epochs
+    assert all((epochs[e]["missing"], epochs[e]["extra"]) == (0, 0) for e in epochs), epochs
+
+
+def _assert_weights(done, reference):
+    torch.testing.assert_close(torch.tensor(done["weights"], dtype=torch.float64),
+                               torch.tensor(reference["weights"], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("batch, accumulation", [pytest.param(3, 2, id="accumulated", marks=pytest.mark.ci_sample),
+                                                 pytest.param(4, 1, id="uneven-shares")])
+def test_sigterm_on_2_processes_resume_on_3_keeps_the_global_batch_counters_and_uninterrupted_weights(
+        jobs, tmp_path, job, monkeypatch, batch, accumulation):
+    """About 20-40 s on 2 shared cores each (two launches).  ``accumulated``: 3 per process x 2 processes x 2
+    accumulated batches, a global batch of 12 in 2 micro-batches of 6 (3 + 3, then 2 + 2 + 2); ``uneven-shares``:
+    4 x 2 x 1, a global batch of 8, split 3 + 3 + 2 on 3 processes (the losses weighted by their shares)."""
+    global_batch, micro = batch * 2 * accumulation, batch * 2
+    steps = 3 * 96 // global_batch
+    reference = _uninterrupted(job, monkeypatch, global_batch)
+    out = tmp_path / "lightning"
+    log2, log3 = out / "job2.log", out / "job3.log"
+    started = time.time()
+    run = dict(_JOB, WORKER_BATCH=str(batch), WORKER_ACCUMULATION=str(accumulation))
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", **run)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 5, 90, "2 processes to take 5 steps")
+    os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler does to the launcher
+    assert wait_exit(proc, 60, log2) == 143, tail(log2)
+    codes = exit_codes(out, started)
+    assert codes == [143, 143], f"{codes}\n{tail(log2)}"
+    stopped = progress(out, 0)
+    assert stopped["world"] == 2 and stopped["step"] < steps, f"{stopped}\n{tail(log2)}"
+
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], out, "job3.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_STEP_SLEEP="0", WORKER_DATAMODULE="0", **run)
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+    assert "resuming from checkpoint" in log3.read_text(), tail(log3)
+    assert "Lightning resumes at epoch" in log3.read_text(), tail(log3)
+    records = _jsonl(out / "steps.jsonl")  # rank 0, one record per micro-batch
+    worlds = [record["world"] for record in records]
+    assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    # the first launch's global batch at both sizes, in micro-batches of ``micro`` samples split over the processes
+    assert {(r["planned"], r["size"]) for r in records} == {(global_batch, global_batch)}, records
+    assert {(r["world"], r["local"]) for r in records} == {(2, micro // 2), (3, -(-micro // 3))}, records
+    assert [r["sync"] for r in records] == ([False] * (accumulation - 1) + [True]) * steps, records
+    synced = [r for r in records if r["sync"]]
+    assert [r["step"] for r in synced] == list(range(steps)), synced  # no step twice, none lost
+    assert [r["global_step"] for r in synced] == list(range(steps)), synced  # Lightning's count carries on
+    assert [r["epoch"] for r in synced] == [e for e in range(3) for _ in range(steps // 3)], synced
+    # per-sample accounting from every process's own records: each sample once per epoch over both launches
+    for epoch in range(3):
+        indices = sorted(i for rank in range(3) if (out / f"samples.rank{rank}.jsonl").exists()
+                         for r in _jsonl(out / f"samples.rank{rank}.jsonl") if r["epoch"] == epoch
+                         for i in r["indices"])
+        assert indices == list(range(96)), (epoch, len(indices))
+    done = json.loads((out / "done.json").read_text())
+    assert done["world"] == 3
+    _assert_exact(out, done, steps)
+    _assert_weights(done, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 15-35 s on 2 shared cores: a start, a kill, a restart round
+def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_uninterrupted_weights(
+        jobs, tmp_path, uninterrupted):
+    out = tmp_path / "killed"
+    log = out / "job.log"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2", "--max-restarts=2"], out, "job.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0.3", ADAPTIVE_CHECKPOINT_KEEP="1000", WORKER_DATAMODULE="0",
+                       **_JOB)
+    victim = wait_for(lambda: (p := progress(out, 1)) and p["step"] >= 10 and newest_checkpoint_step(out) >= 4
+                      and p, 90, "rank 1 to reach epoch 1 with a checkpoint taken")
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_exit(proc, 120, log) == 0, tail(log)
+    assert "resuming from checkpoint" in log.read_text(), tail(log)
+    steps = [r for r in _jsonl(out / "steps.jsonl") if r["sync"]]
+    assert sorted({r["step"] for r in steps}) == list(range(24)), steps  # the steps after the checkpoint again
+    assert all(r["global_step"] == r["step"] for r in steps), steps  # Lightning's count rolled back with them
+    done = json.loads((out / "done.json").read_text())
+    _assert_exact(out, done)
+    _assert_weights(done, uninterrupted)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 18-30 s on 2 shared cores (three Lightning start-ups)
+def test_the_lightning_example_trains_on_2_processes_under_adaptive_run_and_a_relaunch_trains_nothing(tmp_path):
+    """``examples/lightning_classifier.py`` as its docstring runs it (shortened by its own options): Lightning's
+    own checkpoints are still written, and a relaunch on one process trains nothing more."""
+    import subprocess
+
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                       ADAPTIVE_CHECKPOINT_PATH=str(tmp_path / "checkpoints"), ADAPTIVE_SHARE_PATH=str(tmp_path / "share"),
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    script = [str(REPO / "examples" / "lightning_classifier.py"), "--train-samples", "2048", "--max-epochs", "2",
+              "--output-dir", str(tmp_path / "out")]
+
+    def run(*launcher):
+        result = subprocess.run([sys.executable, *launcher, *script], env=environment, cwd=str(tmp_path),
+                                capture_output=True, text=True, timeout=120)
+        log = result.stdout + result.stderr
+        assert result.returncode == 0, log[-4000:]
+        return log
+
+    log = run("-m", "adaptive.elastic.launcher", "--standalone", "--nproc-per-node=2")
+    epochs = [line for line in log.splitlines() if "accuracy" in line]
+    assert len(epochs) == 2 and all("2 processes" in line for line in epochs), log[-4000:]
+    assert float(epochs[-1].split("accuracy ")[1].split("%")[0]) > 50.0  # 10 classes: chance is 10%
+    assert "done: global step 64, epoch 2" in log  # 2048 samples / (32 x 2 processes) = 32 steps per epoch
+    assert (tmp_path / "out" / "last.ckpt").is_file()  # ModelCheckpoint(save_last=True) still writes
+    log = run()  # relaunched, on one process: finished, nothing is trained again
+    assert "accuracy" not in log and "done: global step 64, epoch 2" in log, log[-4000:]

@@ -1,0 +1,158 @@
+"""A Lightning training script on AdaptiveStrategy, for tests/test_lightning_integration.py.
+
+Written as a Lightning user writes one (a LightningModule with
+``training_step``, ``validation_step``, ``configure_optimizers`` with a
+per-step LR scheduler, ``self.log(..., sync_dist=True)``; its data from a
+LightningDataModule or from the module's own ``*_dataloader`` methods, with
+a per-process ``batch_size``), with ``strategy=AdaptiveStrategy()`` as the
+only change.  A tiny linear model on generated data.
+
+Environment knobs:
+    WORKER_OUT          folder for progress and result files (required)
+    WORKER_SAMPLES      training samples (default 96)
+    WORKER_EVAL         validation samples (default 10)
+    WORKER_BATCH        DataLoader batch_size, per process (default 4)
+    WORKER_EPOCHS       max_epochs (default 3)
+    WORKER_ACCUMULATION accumulate_grad_batches (default 1)
+    WORKER_STEP_SLEEP   seconds each training step sleeps, to give tests time to act (default 0.1)
+    WORKER_DTYPE        dtype of the model and data: float32 (default) or float64 (exact comparisons)
+    WORKER_DATAMODULE   1 (default): the data comes from a LightningDataModule; 0: from the module's methods
+
+Every rank rewrites ``progress.rank<R>.json`` after every micro-batch (pid,
+epoch, loader step, world); rank 0 appends one record per micro-batch to
+``steps.jsonl`` (Lightning's global_step and epoch, the loader's step, its
+planned and actual global batch, this process's samples, whether the
+optimizer steps); every rank appends the sample indices it trained to
+``samples.rank<R>.jsonl``; at the end of each epoch rank 0 appends to
+``epochs.jsonl`` the samples missed and repeated (per-sample counts summed
+over the processes by an Accumulator); at the end ``done.json`` (Lightning's
+counters, the scheduler's count, the final weights).  Every process appends
+its exit status to ``exits.rank<R>.jsonl``.
+"""
+
+import logging
+import os
+import time
+
+import lightning as L
+import numpy as np
+import torch
+
+import adaptive
+from adaptive.integrations.lightning import AdaptiveStrategy
+from worker_common import append_jsonl, run_main, write_json
+
+OUT = os.environ["WORKER_OUT"]
+SAMPLES = int(os.environ.get("WORKER_SAMPLES", "96"))
+EVAL = int(os.environ.get("WORKER_EVAL", "10"))
+BATCH = int(os.environ.get("WORKER_BATCH", "4"))
+EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
+ACCUMULATION = int(os.environ.get("WORKER_ACCUMULATION", "1"))
+STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.1"))
+DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
+DATAMODULE = os.environ.get("WORKER_DATAMODULE", "1") == "1"
+
+
+def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
+    """``samples`` regression samples ``(x, y, index)``, the same on every process."""
+    generator = torch.Generator().manual_seed(offset)
+    x = torch.randn(samples, 4, generator=generator, dtype=DTYPE)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=DTYPE) + 0.1 * torch.randn(samples, generator=generator,
+                                                                                 dtype=DTYPE)
+    return torch.utils.data.TensorDataset(x, y.unsqueeze(1), torch.arange(samples))
+
+
+def train_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(SAMPLES, 1), batch_size=BATCH, shuffle=True)
+
+
+def val_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(EVAL, 2), batch_size=2)
+
+
+class Data(L.LightningDataModule):
+    def train_dataloader(self):
+        return train_loader()
+
+    def val_dataloader(self):
+        return val_loader()
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1).to(DTYPE)
+        self.counts = adaptive.Accumulator()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        trainer = self.trainer
+        loader = trainer.strategy.train_loader  # the elastic loader, for the records
+        rank, world = trainer.global_rank, trainer.world_size
+        self.counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
+        sync = not loader.is_accumulation_step()
+        append_jsonl(os.path.join(OUT, f"samples.rank{rank}.jsonl"), {
+            "epoch": trainer.current_epoch, "step": loader.step, "world": world, "indices": index.tolist()})
+        if rank == 0:
+            step = loader.current_step
+            append_jsonl(os.path.join(OUT, "steps.jsonl"), {
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch, "step": loader.step,
+                "world": world, "planned": step.planned_size, "size": step.size, "local": len(index),
+                "sync": sync, "batch_idx": batch_idx})
+        write_json(os.path.join(OUT, f"progress.rank{rank}.json"), {
+            "pid": os.getpid(), "epoch": trainer.current_epoch, "step": loader.step, "world": world})
+        time.sleep(STEP_SLEEP)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        with self.counts.synchronized():
+            seen = self.counts["seen"]
+            if self.trainer.global_rank == 0:
+                append_jsonl(os.path.join(OUT, "epochs.jsonl"), {
+                    "epoch": self.trainer.current_epoch, "world": self.trainer.world_size,
+                    "missing": int((seen == 0).sum()), "extra": int((seen - 1).clip(min=0).sum())})
+            self.counts.clear()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.01 * step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class OwnLoaders(Regression):
+    """The same module, returning its own loaders (no DataModule)."""
+
+    def train_dataloader(self):
+        return train_loader()
+
+    def val_dataloader(self):
+        return val_loader()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    torch.manual_seed(0)
+    model = Regression() if DATAMODULE else OwnLoaders()
+    trainer = L.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATION, strategy=AdaptiveStrategy(),
+                        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=Data() if DATAMODULE else None)
+    if trainer.global_rank == 0:
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        write_json(os.path.join(OUT, "done.json"), {
+            "global_step": trainer.global_step, "current_epoch": trainer.current_epoch, "world": trainer.world_size,
+            "scheduler_steps": scheduler.last_epoch,
+            "weights": [value for tensor in model.net.state_dict().values() for value in tensor.flatten().tolist()]})
+
+
+if __name__ == "__main__":
+    run_main(main, OUT, int(os.environ.get("RANK", "0")))
