@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import _front_end  # noqa: E402
 import _paired  # noqa: E402
 import _transformer  # noqa: E402
 
@@ -128,40 +129,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--length", type=int, default=64, help="tokens per sample")
-    parser.add_argument("--batch", type=int, default=32, help="global batch size (per process: half)")
-    parser.add_argument("--blocks", type=int, default=16)
-    parser.add_argument("--launches", type=int, default=2, help="separate 2-process runs, built in alternating order")
-    parser.add_argument("--steps", type=int, default=11, help="steps per block (the first is not counted)")
-    parser.add_argument("--json", default=str(HERE / "results" / "bench_trainer.json"))
-    args = parser.parse_args()
-    if args.quick:
-        args.layers, args.blocks, args.steps, args.launches = 2, 4, 6, 1
+    args = _front_end.arguments(__doc__, HERE / "results" / "bench_trainer.json", blocks=16, launches=2, steps=11,
+                                steps_help="steps per block (the first is not counted)")
     runs = _paired.run_launches(_worker, args)
-    params = sum(p.numel() for p in _LanguageModel(args).parameters())
-    summary = _paired.summarize(runs)
-    times, medians, block_ratios = summary["times"], summary["median_s"], summary["block_ratios"]
-    ratio, quartiles, launch_ratios = summary["ratio"], summary["quartiles"], summary["launch_ratios"]
-    print(f"step time, 2 gloo processes, transformer {params / 1e6:.2f}M params ({args.layers} layers, dim "
-          f"{args.dim}, {args.length} tokens), global batch {args.batch}, AdamW, {args.launches} launches x "
-          f"{args.blocks} alternating blocks x {args.steps - 1} timed steps")
-    print(f"{'set-up':<62}{'median ms':>10}{'p90 ms':>10}")
-    for name, label in (("plain", "transformers.Trainer (Accelerate DDP + sharded DataLoader)"),
-                        ("ours", "AdaptiveTrainer (AdaptiveDataParallel + AdaptiveDataLoader)")):
-        print(f"{label:<62}{1e3 * medians[name]:>10.1f}{1e3 * _paired.p90(times[name]):>10.1f}")
-    print(f"ours / plain, median of {len(block_ratios)} block-pair ratios: {ratio:.3f} (quartiles "
-          f"{quartiles[0]:.3f}-{quartiles[1]:.3f}; target <= 1.03); per launch: "
-          + " / ".join(f"{r:.3f}" for r in launch_ratios))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"params": params, "batch": args.batch, "layers": args.layers,
-                                           "dim": args.dim, "length": args.length, "median_s": medians,
-                                           "ratio": ratio, "quartiles": quartiles, "launch_ratios": launch_ratios,
-                                           "block_ratios": block_ratios, "times": times}, indent=2))
-
+    _front_end.report(args, runs, sum(p.numel() for p in _LanguageModel(args).parameters()),
+                      {"plain": "transformers.Trainer (Accelerate DDP + sharded DataLoader)",
+                       "ours": "AdaptiveTrainer (AdaptiveDataParallel + AdaptiveDataLoader)"},
+                      f"{args.blocks} alternating blocks x {args.steps - 1} timed steps")
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import pytest
 
 from adaptive.checkpoint.store import CheckpointInfo, CheckpointStore
 from adaptive.runtime.process_tree import kill_process_tree
@@ -55,6 +57,15 @@ class Jobs:
         for proc in self.procs:
             kill_process_tree(proc.pid)
             proc.wait(timeout=30)
+
+
+@pytest.fixture
+def jobs(tmp_path: Path) -> Iterator[Jobs]:
+    """The launchers a test starts (:class:`Jobs`), killed with their workers when it ends.  Import it into a
+    test module as ``from elastic_harness import jobs  # noqa: F401  (the fixture)``."""
+    harness = Jobs(tmp_path)
+    yield harness
+    harness.cleanup()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
@@ -125,7 +136,8 @@ def assert_exact_counts(out: Path, epochs: int, log: Path) -> dict[int, dict]:
     return records
 
 
-def _jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none when it does not exist yet)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -135,13 +147,13 @@ def _jsonl(path: Path) -> list[dict]:
 
 def resume_records(out: Path, since: float = 0.0) -> list[dict]:
     """What each worker process started from (``record_resume`` in the workers), oldest first."""
-    records = [r for path in sorted(out.glob("resume.rank*.jsonl")) for r in _jsonl(path)]
+    records = [r for path in sorted(out.glob("resume.rank*.jsonl")) for r in read_jsonl(path)]
     return sorted((r for r in records if r["time"] >= since), key=lambda r: r["time"])
 
 
 def exit_codes(out: Path, since: float = 0.0) -> list[int]:
     """Exit statuses of the worker processes that exited since ``since`` (``run_main`` in the workers)."""
-    return [r["code"] for path in sorted(out.glob("exits.rank*.jsonl")) for r in _jsonl(path) if r["time"] >= since]
+    return [r["code"] for path in sorted(out.glob("exits.rank*.jsonl")) for r in read_jsonl(path) if r["time"] >= since]
 
 
 def store(out: Path) -> CheckpointStore:

@@ -29,8 +29,9 @@ from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from conftest import Indices  # noqa: E402
-from elastic_harness import (REPO, Jobs, exit_codes, newest_checkpoint_step, progress, tail, wait_exit,  # noqa: E402
-                             wait_for)
+from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
+                             wait_exit, wait_for)
+from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "accelerate_worker.py"
 
@@ -408,15 +409,6 @@ def test_gather_for_metrics_returns_each_sample_once(accel):
     assert accelerator.gather_for_metrics(torch.ones(2)).tolist() == [1.0, 1.0]  # outside a loop: Accelerate's
 
 
-@pytest.fixture
-def jobs(tmp_path):
-    harness = Jobs(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
-def _jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 #: The distributed tests' job: 96 samples, 6 per process on 2 processes (a global batch of 12, which 3 processes
@@ -447,7 +439,7 @@ def _assert_counts(out, done, first_launch=2):
     assert (done["completed_steps"], done["samples_seen"], done["step"]) == (20, 240, 20), done
     # the scheduler steps once per process of the first launch at each optimizer step, as Accelerate's would
     assert done["scheduler_steps"] == 20 * first_launch, done
-    epochs = {record["epoch"]: record for record in _jsonl(out / "epochs.jsonl")}  # the last record of each
+    epochs = {record["epoch"]: record for record in read_jsonl(out / "epochs.jsonl")}  # the last record of each
     assert sorted(epochs) == [0, 1, 2], epochs
     assert [(epochs[e]["missing"], epochs[e]["extra"]) for e in (0, 1, 2)] == [(0, 0), (0, 0), (96 - 48, 0)], epochs
     # gather_for_metrics: each evaluation sample once; after finish_training() loader loops yield nothing
@@ -484,7 +476,7 @@ def test_stop_on_2_processes_resume_on_3_keeps_the_global_batch_and_ends_with_th
     assert wait_exit(proc, 90, log3) == 0, tail(log3)
     text = log3.read_text()
     assert "resuming from checkpoint" in text, tail(log3)
-    micro = _jsonl(out / "steps.jsonl")  # one record per micro-batch
+    micro = read_jsonl(out / "steps.jsonl")  # one record per micro-batch
     worlds = [record["world"] for record in micro]
     assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
     # the global batch of the first launch (3 per process x 2 processes x 2 micro-batches) at 3 processes too,
@@ -517,7 +509,7 @@ def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_unint
     os.kill(victim["pid"], signal.SIGKILL)
     assert wait_exit(proc, 90, log) == 0, tail(log)
     assert "resuming from checkpoint" in log.read_text(), tail(log)
-    taken = [r["step"] for r in _jsonl(out / "steps.jsonl")]
+    taken = [r["step"] for r in read_jsonl(out / "steps.jsonl")]
     assert sorted(set(taken)) == list(range(20)), taken  # the steps after the checkpoint were trained again
     done = json.loads((out / "done.json").read_text())
     _assert_counts(out, done)  # each sample once per epoch after the rollback, the step counters rolled back too
@@ -541,11 +533,11 @@ def test_save_state_on_2_processes_load_state_on_3_goes_on_exactly(jobs, tmp_pat
                        **_JOB)
     assert wait_exit(proc, 90, loader / "job.log") == 0, tail(loader / "job.log")
     assert "resuming from checkpoint" not in (loader / "job.log").read_text()  # only load_state restored it
-    steps = _jsonl(loader / "steps.jsonl")
+    steps = read_jsonl(loader / "steps.jsonl")
     assert [(r["step"], r["world"], r["completed"]) for r in steps] == [(n, 3, n + 1) for n in range(14, 20)], steps
     done = json.loads((loader / "done.json").read_text())
     assert (done["completed_steps"], done["samples_seen"], done["scheduler_steps"]) == (20, 240, 40), done
-    epochs = {record["epoch"]: record for record in _jsonl(loader / "epochs.jsonl")}
+    epochs = {record["epoch"]: record for record in read_jsonl(loader / "epochs.jsonl")}
     assert [(epochs[e]["missing"], epochs[e]["extra"]) for e in (1, 2)] == [(0, 0), (96 - 48, 0)], epochs
     _assert_weights(done, uninterrupted)
 
@@ -565,7 +557,7 @@ def test_live_a_node_joins_and_leaves_and_the_job_ends_with_the_uninterrupted_we
     job = dict(_JOB, WORKER_BATCH="12", WORKER_STEP_SLEEP="0.6", WORKER_SLEEP_UNTIL=str(full_speed),
                ADAPTIVE_CHECKPOINT_INTERVAL="0")
     first = jobs.launch(live, out, "first.log", script=WORKER, **job)
-    micro = lambda: _jsonl(out / "steps.jsonl") if (out / "steps.jsonl").exists() else []  # noqa: E731
+    micro = lambda: read_jsonl(out / "steps.jsonl") if (out / "steps.jsonl").exists() else []  # noqa: E731
     wait_for(lambda: len(micro()) >= 3, 60, "the first node to train")
     second = jobs.launch(live, out, "second.log", script=WORKER, **job)
     wait_for(lambda: sum(r["world"] == 2 for r in micro()) >= 3, 90, "the second node to join and train")

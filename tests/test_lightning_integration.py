@@ -26,8 +26,9 @@ lightning = pytest.importorskip("lightning", reason="the lightning extra is not 
 import lightning as L  # noqa: E402
 
 import adaptive  # noqa: E402
-from elastic_harness import (REPO, Jobs, exit_codes, newest_checkpoint_step, progress, tail, wait_exit,  # noqa: E402
-                             wait_for)
+from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
+                             wait_exit, wait_for)
+from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "lightning_worker.py"
 
@@ -247,15 +248,6 @@ def test_refusals_name_what_to_do(job):
 # ---------------------------------------------------------------------- real jobs
 
 
-@pytest.fixture
-def jobs(tmp_path):
-    harness = Jobs(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
-def _jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 #: The distributed tests' job: 96 samples, 3 epochs, float64; 3 samples per process x 2 processes x 2 accumulated
@@ -291,7 +283,7 @@ def _assert_exact(out, done, steps=24):
     """``steps`` optimizer steps (24 of 12 samples), every sample once in each of the 3 epochs, Lightning's
     counters."""
     assert (done["global_step"], done["current_epoch"], done["scheduler_steps"]) == (steps, 3, steps), done
-    epochs = {record["epoch"]: record for record in _jsonl(out / "epochs.jsonl")}  # the last record of each
+    epochs = {record["epoch"]: record for record in read_jsonl(out / "epochs.jsonl")}  # the last record of each
     assert sorted(epochs) == [0, 1, 2], epochs
     assert all((epochs[e]["missing"], epochs[e]["extra"]) == (0, 0) for e in epochs), epochs
 
@@ -332,7 +324,7 @@ def test_sigterm_on_2_processes_resume_on_3_keeps_the_global_batch_counters_and_
     assert wait_exit(proc, 120, log3) == 0, tail(log3)
     assert "resuming from checkpoint" in log3.read_text(), tail(log3)
     assert "Lightning resumes at epoch" in log3.read_text(), tail(log3)
-    records = _jsonl(out / "steps.jsonl")  # rank 0, one record per micro-batch
+    records = read_jsonl(out / "steps.jsonl")  # rank 0, one record per micro-batch
     worlds = [record["world"] for record in records]
     assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
     # the first launch's global batch at both sizes, in micro-batches of ``micro`` samples split over the processes
@@ -346,7 +338,7 @@ def test_sigterm_on_2_processes_resume_on_3_keeps_the_global_batch_counters_and_
     # per-sample accounting from every process's own records: each sample once per epoch over both launches
     for epoch in range(3):
         indices = sorted(i for rank in range(3) if (out / f"samples.rank{rank}.jsonl").exists()
-                         for r in _jsonl(out / f"samples.rank{rank}.jsonl") if r["epoch"] == epoch
+                         for r in read_jsonl(out / f"samples.rank{rank}.jsonl") if r["epoch"] == epoch
                          for i in r["indices"])
         assert indices == list(range(96)), (epoch, len(indices))
     done = json.loads((out / "done.json").read_text())
@@ -370,7 +362,7 @@ def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_unint
     os.kill(victim["pid"], signal.SIGKILL)
     assert wait_exit(proc, 120, log) == 0, tail(log)
     assert "resuming from checkpoint" in log.read_text(), tail(log)
-    steps = [r for r in _jsonl(out / "steps.jsonl") if r["sync"]]
+    steps = [r for r in read_jsonl(out / "steps.jsonl") if r["sync"]]
     assert sorted({r["step"] for r in steps}) == list(range(24)), steps  # the steps after the checkpoint again
     assert all(r["global_step"] == r["step"] for r in steps), steps  # Lightning's count rolled back with them
     done = json.loads((out / "done.json").read_text())

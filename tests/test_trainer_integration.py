@@ -31,8 +31,9 @@ import adaptive  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from conftest import restart_process_state  # noqa: E402
-from elastic_harness import (REPO, Jobs, exit_codes, newest_checkpoint_step, progress, tail, wait_exit,  # noqa: E402
-                             wait_for)
+from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
+                             wait_exit, wait_for)
+from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "trainer_worker.py"
 
@@ -371,15 +372,6 @@ def test_a_tiny_causal_lm_keeps_the_trainers_token_normalised_loss(trainer_cls, 
     assert all(entry["loss"] > 0 for entry in trainer.state.log_history if "loss" in entry)
 
 
-@pytest.fixture
-def jobs(tmp_path):
-    harness = Jobs(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
-def _jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _steps_by_number(out):
@@ -391,7 +383,7 @@ def _steps_by_number(out):
     merged: dict[int, dict[int, dict]] = {}
     for rank_file in sorted(out.glob("steps.rank*.jsonl")):
         rank = int(rank_file.name.split(".")[1][len("rank"):])
-        for record in _jsonl(rank_file):
+        for record in read_jsonl(rank_file):
             merged.setdefault(record["step"], {})[rank] = record
     return {step: sorted(records.items()) for step, records in merged.items()}
 

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 from pathlib import Path
 from typing import Any, Iterable
 
 from adaptive.checkpoint import states
-from adaptive.checkpoint.store import CheckpointStore
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch
-from adaptive.runtime import collectives, env
+from adaptive.integrations._library_folder import LIBRARY_STATE_DIR, library_checkpoint, save_library_checkpoint
+from adaptive.runtime import env
 from adaptive.runtime.step import stream
 
 __all__ = ["LAUNCH_STATE_NAME", "LIBRARY_STATE_DIR", "LaunchRecord", "completed_steps", "samples_seen",
@@ -38,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 #: The checkpointed name of the :class:`LaunchRecord`.
 LAUNCH_STATE_NAME = "adaptive.integrations.accelerate"
-
-#: The folder, inside a ``save_state`` directory, that holds the library's checkpoint.
-LIBRARY_STATE_DIR = "adaptive"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,51 +122,10 @@ def samples_seen(record: LaunchRecord, loaders: Iterable[AdaptiveDataLoader]) ->
 
 # ---------------------------------------------------------------------- save_state / load_state
 
-def _committed_loader_state(loader: AdaptiveDataLoader, step: Any) -> Any:
-    """The running loader's state as it will be once it commits ``step`` (trained, its optimizer step taken).
-
-    ``save_state`` is usually called in the loop body right after
-    ``optimizer.step()``; the loader commits the step only when the loop
-    goes on.  Saved as it stood, the step would be trained again after
-    ``load_state``.  The loader's own commit rule is applied to a copy.
-    """
-    state = loader._state  # the loader's checkpointed position (adaptive.data._loader_state)
-    copy = types.SimpleNamespace(**state.state_dict())
-    loader._batching.commit(copy, step)
-    copy.step += 1
-    return dict(vars(copy))
-
-
 def save_library_state(output_dir: str, record: LaunchRecord) -> Path:
     """Checkpoint every state of the library under ``output_dir/adaptive``; collective (every process calls
-    ``save_state``).  Returns the folder."""
-    root = Path(output_dir) / LIBRARY_STATE_DIR
-    registered = states.registered_states()
-    sharded = [state.name for state in registered if isinstance(state, states.ShardedState)]
-    if sharded:
-        raise ValueError(f"save_state: the sharded states {sharded} cannot be saved with Accelerate's save_state")
-    for state in registered:
-        state.sync()  # collective: accumulators add up their replicas' increments, every rank's generators
-    error = None
-    if env.rank() == 0:
-        contents = {state.name: state.state_dict() for state in registered}
-        loader = current_dataloader()
-        step = None if loader is None else record.uncommitted(loader)
-        if loader is not None and step is not None:
-            contents[loader._state.name] = _committed_loader_state(loader, step)
-        metadata = {"reason": "accelerate save_state", "epoch": epoch.current_epoch(),
-                    "loader_steps": {name: int(value["step"]) for name, value in contents.items()
-                                     if name.startswith("adaptive.dataloader.")}}
-        try:
-            info = CheckpointStore(root, keep=1).save(contents, states.manifest_info(registered, metadata))
-            logger.info("save_state: the library's state (loader positions, epoch, random generators) is in %s",
-                        info.path)
-        except Exception as failure:  # every process raises, not only rank 0
-            error = f"{type(failure).__name__}: {failure}"
-    error = collectives.broadcast_object(error)
-    if error is not None:
-        raise RuntimeError(f"save_state: the library's state could not be written to {root}: {error}")
-    return root
+    ``save_state``).  Returns the folder; a step whose optimizer step was taken counts as done."""
+    return save_library_checkpoint(output_dir, "accelerate save_state", record.uncommitted)
 
 
 def load_library_state(input_dir: str) -> bool:
@@ -184,8 +139,7 @@ def load_library_state(input_dir: str) -> bool:
     if current_dataloader() is not None or epoch.current_epoch() is not None:
         raise RuntimeError("load_state must be called before the epoch loop (adaptive.remaining_epochs_until) and "
                            "outside loader loops: the library restores positions where a relaunch would")
-    root = Path(input_dir) / LIBRARY_STATE_DIR
-    checkpoint = CheckpointStore(root).latest() if root.is_dir() else None
+    checkpoint = library_checkpoint(input_dir)
     if checkpoint is None:
         logger.warning("load_state: %s holds no library state (it was not saved by AdaptiveAccelerator): the "
                        "loader positions, epoch and random generators are not restored", input_dir)

@@ -29,20 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from adaptive.checkpoint import states
-from adaptive.checkpoint.store import Checkpoint, CheckpointStore
+from adaptive.checkpoint.store import Checkpoint
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch
-from adaptive.integrations._accelerate_state import _committed_loader_state
-from adaptive.runtime import collectives, env, membership
+from adaptive.integrations._library_folder import LIBRARY_STATE_DIR, library_checkpoint, save_library_checkpoint
+from adaptive.runtime import env, membership
 from adaptive.runtime.step import stream
 
 __all__ = ["LIBRARY_STATE_DIR", "choose_trainer_checkpoint", "resume_from_trainer_checkpoint",
            "save_to_trainer_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-#: The folder, inside a Trainer checkpoint (``checkpoint-N``), that holds the library's checkpoint.
-LIBRARY_STATE_DIR = "adaptive"
 
 
 def save_to_trainer_checkpoint(checkpoint_dir: str | os.PathLike[str], loader: AdaptiveDataLoader | None) -> Path:
@@ -55,38 +52,8 @@ def save_to_trainer_checkpoint(checkpoint_dir: str | os.PathLike[str], loader: A
     as it will be once it commits that step, so that the step is not
     trained again after a resume.
     """
-    root = Path(checkpoint_dir) / LIBRARY_STATE_DIR
-    registered = states.registered_states()
-    sharded = [state.name for state in registered if isinstance(state, states.ShardedState)]
-    if sharded:
-        raise ValueError(f"the sharded states {sharded} cannot be saved in a Trainer checkpoint")
-    for state in registered:
-        state.sync()  # collective: accumulators add up their replicas' increments, every rank's generators
-    error = None
-    if env.rank() == 0:
-        contents = {state.name: state.state_dict() for state in registered}
-        step = loader.current_step if loader is not None and current_dataloader() is loader else None
-        if loader is not None and step is not None:
-            contents[loader._state.name] = _committed_loader_state(loader, step)
-        metadata = {"reason": "Trainer checkpoint", "epoch": epoch.current_epoch(),
-                    "loader_steps": {name: int(value["step"]) for name, value in contents.items()
-                                     if name.startswith("adaptive.dataloader.")}}
-        try:
-            info = CheckpointStore(root, keep=1).save(contents, states.manifest_info(registered, metadata))
-            logger.info("Trainer checkpoint: the library's state (loader position, epoch, random generators, model, "
-                        "optimizer, LR scheduler, TrainerState) is in %s", info.path)
-        except Exception as failure:  # every process raises, not only rank 0
-            error = f"{type(failure).__name__}: {failure}"
-    error = collectives.broadcast_object(error)
-    if error is not None:
-        raise RuntimeError(f"the library's state could not be written to {root}: {error}")
-    return root
-
-
-def _library_part(path: str | os.PathLike[str]) -> Checkpoint | None:
-    """The newest complete library checkpoint under ``path/adaptive``, or None."""
-    root = Path(path) / LIBRARY_STATE_DIR
-    return CheckpointStore(root).latest() if root.is_dir() else None
+    return save_library_checkpoint(checkpoint_dir, "Trainer checkpoint",
+                                   lambda running: running.current_step if running is loader else None)
 
 
 def _run_and_step(checkpoint: Checkpoint | None, record_name: str) -> tuple[str | None, int | None]:
@@ -140,7 +107,7 @@ def choose_trainer_checkpoint(requested: str | os.PathLike[str] | bool | None, l
         raise TypeError(f"resume_from_checkpoint must be a path, a bool or None, got {type(requested).__name__}")
     if not os.path.isdir(path):
         raise ValueError(f"resume_from_checkpoint={path!r} is not a folder")
-    part = _library_part(path)
+    part = library_checkpoint(path)
     if part is None:
         raise ValueError(f"resume_from_checkpoint={path!r} holds no library state ({LIBRARY_STATE_DIR}/): it was not "
                          "written by AdaptiveTrainer, and its data position cannot be restored exactly")
@@ -167,7 +134,7 @@ def resume_from_trainer_checkpoint(path: str | os.PathLike[str]) -> None:
     """
     if current_dataloader() is not None or epoch.current_epoch() is not None:
         raise RuntimeError("resume_from_checkpoint: the library's state can only be restored before training starts")
-    checkpoint = _library_part(path)
+    checkpoint = library_checkpoint(path)
     if checkpoint is None:
         raise ValueError(f"resume_from_checkpoint={os.fspath(path)!r} holds no library state ({LIBRARY_STATE_DIR}/)")
     states.resume_from(checkpoint, steps_at_save=stream().steps_committed)

@@ -81,7 +81,7 @@ from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.integrations._lightning_loops import (CHECKED_LIGHTNING_VERSIONS, check_lightning_internals,
                                                     check_lightning_version, loop_counters, restore_loop_counters,
                                                     train_without_distributed_sampler)
-from adaptive.integrations._lightning_epochs import LightningEpochs
+from adaptive.integrations._epoch_passes import EpochPasses
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
 from adaptive.runtime import env
 from adaptive.runtime.collectives import init_process_group
@@ -202,7 +202,7 @@ class AdaptiveStrategy(DDPStrategy):
         super().__init__(cluster_environment=AdaptiveEnvironment(), process_group_backend=process_group_backend,
                          **kwargs)
         self._record: LightningRecord | None = None
-        self._epochs: LightningEpochs | None = None
+        self._epochs: EpochPasses | None = None
         self._library_handlers: dict[int, Any] = {}
         self._fitted = False
 
@@ -347,7 +347,10 @@ class AdaptiveStrategy(DDPStrategy):
                 return self._epochs  # reloaded (reload_dataloaders_every_n_epochs): the same elastic loader
             raise ValueError("AdaptiveStrategy trains with one training dataloader (a CombinedLoader of several, or "
                              "a reloaded one over another dataset, is not supported)")
-        self._epochs = LightningEpochs(self._make_loader(dataloader), lambda: _epoch_limit(trainer))
+        self._epochs = EpochPasses(
+            self._make_loader(dataloader), lambda: _epoch_limit(trainer), front_end="AdaptiveStrategy",
+            early_end="Lightning ended an epoch before the elastic loader did (limit_train_batches, or "
+                      "on_train_batch_start returned -1); stop training instead (trainer.should_stop = True)")
         return self._epochs
 
     def _make_loader(self, dataloader: object) -> AdaptiveDataLoader:

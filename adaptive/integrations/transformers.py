@@ -92,7 +92,8 @@ from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch as epochs
 from adaptive.integrations import _trainer_checkpoint as checkpoints
 from adaptive.integrations._accelerate_wrappers import follow_job_membership
-from adaptive.integrations._trainer_data import (ORDERS, RECORD_STATE_NAME, TrainerEpochs, TrainerRecord,
+from adaptive.integrations._epoch_passes import EpochPasses
+from adaptive.integrations._trainer_data import (ORDERS, RECORD_STATE_NAME, TrainerRecord,
                                                  refuse_unsupported, sampling_strategy)
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
 from adaptive.runtime import env, membership
@@ -230,7 +231,7 @@ class AdaptiveTrainer(Trainer):
             args.dataloader_pin_memory = False
         _reset_device_setup(args)
         self._adaptive_record: TrainerRecord | None = None
-        self._adaptive_epochs: TrainerEpochs | None = None
+        self._adaptive_epochs: EpochPasses | None = None
         self._adaptive_trained = False
         super().__init__(model, args, *more, **kwargs)
         if args.n_gpu > 1:
@@ -323,7 +324,11 @@ class AdaptiveTrainer(Trainer):
             logger.info("training data -> AdaptiveDataLoader %s: global batch %d (%d per device x %d processes x "
                         "%d accumulation steps of the first launch), %d steps per epoch", loader.name,
                         record.global_batch, record.per_device, record.processes, record.accumulation, len(loader))
-        self._adaptive_epochs = TrainerEpochs(loader, lambda: self.state.num_train_epochs)
+        self._adaptive_epochs = EpochPasses(
+            loader, lambda: self.state.num_train_epochs, front_end="AdaptiveTrainer", skip_finished_epochs=True,
+            # (the Trainer stops training at an epoch without a batch)
+            early_end="the Trainer ended an epoch before the elastic loader did (should_epoch_stop); stop training "
+                      "instead (should_training_stop)")
         return self._adaptive_epochs
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:

@@ -1,0 +1,94 @@
+"""The library's checkpoint inside a front-end's own save folder (``save_state(dir)``, ``checkpoint-N``).
+
+Private to :mod:`adaptive.integrations`.  A front-end that saves its own
+folder (Accelerate's ``save_state``, the Trainer's ``checkpoint-N``) gets
+every state the library checkpoints (loader positions, epoch, random
+generators, accumulators, the model wrapper with its optimizer and
+scheduler) as a verified library checkpoint in ``<folder>/adaptive``,
+written atomically by rank 0 and loaded weights-only (guarantees G3 and
+G4), so that resuming from that folder is as exact as a relaunch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+from adaptive.checkpoint import states
+from adaptive.checkpoint.store import Checkpoint, CheckpointStore
+from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
+from adaptive.elastic import epoch
+from adaptive.runtime import collectives, env
+
+__all__ = ["LIBRARY_STATE_DIR", "committed_loader_state", "library_checkpoint", "save_library_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: The folder, inside a front-end's save folder, that holds the library's checkpoint.
+LIBRARY_STATE_DIR = "adaptive"
+
+
+def committed_loader_state(loader: AdaptiveDataLoader, step: Any) -> Any:
+    """The running loader's state as it will be once it commits ``step`` (trained, its optimizer step taken).
+
+    A front-end saves in the loop body, usually right after
+    ``optimizer.step()``; the loader commits the step only when the loop goes
+    on.  Saved as it stood, the step would be trained again after a resume.
+    The loader's own commit rule is applied to a copy.
+    """
+    state = loader._state  # the loader's checkpointed position (adaptive.data._loader_state)
+    copy = types.SimpleNamespace(**state.state_dict())
+    loader._batching.commit(copy, step)
+    copy.step += 1
+    return dict(vars(copy))
+
+
+def save_library_checkpoint(folder: str | os.PathLike[str], purpose: str,
+                            uncommitted_step: Callable[[AdaptiveDataLoader], Any | None]) -> Path:
+    """Checkpoint every state of the library under ``folder/adaptive``; collective.  Returns that folder.
+
+    ``purpose`` names the front-end's save in errors, logs and the
+    checkpoint's metadata; ``uncommitted_step(loader)`` is the step of the
+    running loader whose optimizer step was taken and which the loader has
+    not committed yet (saved as committed), or None.
+
+    Raises:
+        ValueError: a sharded state is registered (its shards are saved by DCP, not here).
+        RuntimeError: on every process, when rank 0 could not write the checkpoint.
+    """
+    root = Path(folder) / LIBRARY_STATE_DIR
+    registered = states.registered_states()
+    sharded = [state.name for state in registered if isinstance(state, states.ShardedState)]
+    if sharded:
+        raise ValueError(f"{purpose}: the sharded states {sharded} cannot be saved in the front-end's folder")
+    for state in registered:
+        state.sync()  # collective: accumulators add up their replicas' increments, every rank's generators
+    error = None
+    if env.rank() == 0:
+        contents = {state.name: state.state_dict() for state in registered}
+        loader = current_dataloader()
+        step = None if loader is None else uncommitted_step(loader)
+        if loader is not None and step is not None:
+            contents[loader._state.name] = committed_loader_state(loader, step)
+        metadata = {"reason": purpose, "epoch": epoch.current_epoch(),
+                    "loader_steps": {name: int(value["step"]) for name, value in contents.items()
+                                     if name.startswith("adaptive.dataloader.")}}
+        try:
+            info = CheckpointStore(root, keep=1).save(contents, states.manifest_info(registered, metadata))
+            logger.info("%s: the library's state (loader positions, epoch, random generators, model, optimizer, "
+                        "LR scheduler) is in %s", purpose, info.path)
+        except Exception as failure:  # every process raises, not only rank 0
+            error = f"{type(failure).__name__}: {failure}"
+    error = collectives.broadcast_object(error)
+    if error is not None:
+        raise RuntimeError(f"{purpose}: the library's state could not be written to {root}: {error}")
+    return root
+
+
+def library_checkpoint(folder: str | os.PathLike[str]) -> Checkpoint | None:
+    """The newest complete library checkpoint under ``folder/adaptive``, or None."""
+    root = Path(folder) / LIBRARY_STATE_DIR
+    return CheckpointStore(root).latest() if root.is_dir() else None
