@@ -43,7 +43,7 @@ import torch
 import adaptive
 from adaptive.integrations.accelerate import AdaptiveAccelerator
 from adaptive.runtime import membership
-from worker_common import append_jsonl, run_main, write_json
+from worker_common import append_jsonl, regression_dataset, run_main, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "96"))
@@ -60,12 +60,7 @@ LOAD_FROM = os.environ.get("WORKER_LOAD_FROM")
 
 
 def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
-    """``samples`` regression samples ``(x, y, index)``, the same on every process."""
-    generator = torch.Generator().manual_seed(offset)
-    x = torch.randn(samples, 4, generator=generator, dtype=DTYPE)
-    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=DTYPE) + 0.1 * torch.randn(samples, generator=generator,
-                                                                                 dtype=DTYPE)
-    return torch.utils.data.TensorDataset(x, y.unsqueeze(1), torch.arange(samples))
+    return regression_dataset(samples, offset, DTYPE)
 
 
 def main() -> None:

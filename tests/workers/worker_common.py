@@ -69,6 +69,16 @@ class BlockDataset(torch.utils.data.Dataset):
         return x, torch.tensor(2 * t - x[1].item() + 0.1 * noise), index
 
 
+def regression_dataset(samples: int, seed: int, dtype: torch.dtype) -> torch.utils.data.TensorDataset:
+    """``samples`` regression samples ``(x, y, index)`` of a noisy linear map of 4 features, the same on every
+    process (drawn from ``seed``), in ``dtype`` (float64 for exact comparisons of weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 4, generator=generator, dtype=dtype)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=dtype) + 0.1 * torch.randn(samples, generator=generator,
+                                                                                 dtype=dtype)
+    return torch.utils.data.TensorDataset(x, y.unsqueeze(1), torch.arange(samples))
+
+
 def record_epoch(out, epoch, counts, loader, model_steps) -> None:
     """End of an epoch: rank 0 appends to ``epochs.jsonl`` how many samples the epoch missed and trained more
     than once (``counts["seen"]``, an Accumulator summed over the replicas); the counts start again."""
