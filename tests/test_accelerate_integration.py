@@ -29,8 +29,8 @@ from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from conftest import Indices  # noqa: E402
-from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
-                             wait_exit, wait_for)
+from elastic_harness import (REPO, exit_codes, live_pids, newest_checkpoint_step, progress, read_jsonl,  # noqa: E402
+                             tail, wait_exit, wait_for)
 from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "accelerate_worker.py"
@@ -506,8 +506,10 @@ def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_unint
                        ADAPTIVE_CHECKPOINT_INTERVAL="0.3", ADAPTIVE_CHECKPOINT_KEEP="1000", **_JOB)
     victim = wait_for(lambda: (p := progress(out, 1)) and p["step"] >= 9 and newest_checkpoint_step(out) >= 4
                       and p, 60, "rank 1 to reach epoch 1 with a checkpoint taken")
+    ended = [victim["pid"], progress(out, 0)["pid"]]  # the incarnation the kill ends: both workers
     os.kill(victim["pid"], signal.SIGKILL)
     assert wait_exit(proc, 90, log) == 0, tail(log)
+    assert live_pids(ended) == [], "a worker of the killed incarnation outlived it"
     assert "resuming from checkpoint" in log.read_text(), tail(log)
     taken = [r["step"] for r in read_jsonl(out / "steps.jsonl")]
     assert sorted(set(taken)) == list(range(20)), taken  # the steps after the checkpoint were trained again

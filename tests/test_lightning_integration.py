@@ -26,8 +26,8 @@ lightning = pytest.importorskip("lightning", reason="the lightning extra is not 
 import lightning as L  # noqa: E402
 
 import adaptive  # noqa: E402
-from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
-                             wait_exit, wait_for)
+from elastic_harness import (REPO, exit_codes, live_pids, newest_checkpoint_step, progress, read_jsonl,  # noqa: E402
+                             tail, wait_exit, wait_for)
 from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "lightning_worker.py"
@@ -359,8 +359,10 @@ def test_a_sigkilled_worker_rolls_back_to_the_checkpoint_and_ends_with_the_unint
                        **_JOB)
     victim = wait_for(lambda: (p := progress(out, 1)) and p["step"] >= 10 and newest_checkpoint_step(out) >= 4
                       and p, 90, "rank 1 to reach epoch 1 with a checkpoint taken")
+    ended = [victim["pid"], progress(out, 0)["pid"]]  # the incarnation the kill ends: both workers
     os.kill(victim["pid"], signal.SIGKILL)
     assert wait_exit(proc, 120, log) == 0, tail(log)
+    assert live_pids(ended) == [], "a worker of the killed incarnation outlived it"
     assert "resuming from checkpoint" in log.read_text(), tail(log)
     steps = [r for r in read_jsonl(out / "steps.jsonl") if r["sync"]]
     assert sorted({r["step"] for r in steps}) == list(range(24)), steps  # the steps after the checkpoint again

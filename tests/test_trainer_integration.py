@@ -31,8 +31,8 @@ import adaptive  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from conftest import restart_process_state  # noqa: E402
-from elastic_harness import (REPO, exit_codes, newest_checkpoint_step, progress, read_jsonl, tail,  # noqa: E402
-                             wait_exit, wait_for)
+from elastic_harness import (REPO, exit_codes, live_pids, newest_checkpoint_step, progress, read_jsonl,  # noqa: E402
+                             tail, wait_exit, wait_for)
 from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
 
 WORKER = REPO / "tests" / "workers" / "trainer_worker.py"
@@ -476,8 +476,10 @@ def test_a_sigkilled_worker_rolls_back_to_the_last_checkpoint_and_matches_an_uni
                        ADAPTIVE_CHECKPOINT_INTERVAL="0.3", WORKER_BATCH=str(BATCH), WORKER_STEP_SLEEP="0.2")
     victim = wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 7 and newest_checkpoint_step(out) >= 3
                       and p, 90, "rank 0 to take 7 steps after a checkpoint")
+    ended = [victim["pid"], progress(out, 1)["pid"]]  # the incarnation the kill ends: both workers
     os.kill(victim["pid"], signal.SIGKILL)
     assert wait_exit(proc, 180, log) == 0, tail(log)
+    assert live_pids(ended) == [], "a worker of the killed incarnation outlived it"
     text = log.read_text()
     assert "resuming from checkpoint" in text and "AdaptiveTrainer resumes at global step" in text, tail(log)
     done = _assert_matches_uninterrupted(out, expected, reference_done, lambda step: 2)

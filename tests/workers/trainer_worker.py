@@ -22,7 +22,7 @@ Environment knobs:
 Every process appends one line per optimizer step to ``steps.rank<R>.jsonl``:
 the Trainer's ``global_step`` and ``epoch``, the world size, the sample
 indices this process trained in the step, the scheduler's LR after the step
-and the LR the optimizer used.  Rank 0 rewrites ``progress.rank0.json``
+and the LR the optimizer used.  Every rank rewrites ``progress.rank<R>.json``
 after every step, and at the end writes ``done.json`` (global step, epoch,
 loader step, world, the model's weights, the evaluations run).  Every
 process appends its exit status to ``exits.rank<R>.jsonl``.
@@ -93,9 +93,8 @@ class Recorder(TrainerCallback):
             # what the library multiplied the scheduler's LR by in this step: its scaling rule, and the step's
             # actual over planned size
             "rule_factor": wrapper.scaling_rule.last_factor, "size_factor": loader.lr_factor})
-        if self.rank == 0:
-            write_json(os.path.join(OUT, "progress.rank0.json"), {
-                "pid": os.getpid(), "step": state.global_step, "world": self.world})
+        write_json(os.path.join(OUT, f"progress.rank{self.rank}.json"), {
+            "pid": os.getpid(), "step": state.global_step, "world": self.world})
         time.sleep(STEP_SLEEP)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
