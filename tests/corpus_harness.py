@@ -412,9 +412,13 @@ def totals_by_block(by_attempt: dict[str, list[dict]]) -> dict[tuple[int, str], 
 
 def assert_totals_match(script: Script, ours: dict, reference: dict, where: str) -> None:
     """Each block's totals, on every rank and in every attempt that reached it, match the reference:
-    counts exactly, losses and accuracies within their tolerance."""
+    counts exactly, losses and accuracies within their tolerance (for a script whose batch sizes autoscale
+    picks from timings, in the last epoch only: earlier ones trained with other batch sizes than the
+    reference's, and their accuracy moves by more than the tolerance from run to run)."""
     assert sorted(ours) == sorted(reference), f"{where}: blocks {sorted(ours)} vs the reference's {sorted(reference)}"
+    last_epoch = max(epoch for epoch, _ in ours)
     for key, records in sorted(ours.items()):
+        compared = script.close if script.fixed_batch or key[0] == last_epoch else ()
         ref = reference[key][-1]["values"]
         for record in records:
             values = record["values"]
@@ -423,7 +427,7 @@ def assert_totals_match(script: Script, ours: dict, reference: dict, where: str)
                 assert values.get(name) == ref.get(name), f"{label}: {name} = {values.get(name)}, " \
                                                           f"uninterrupted {ref.get(name)}: {values}"
             assert values.keys() == ref.keys(), f"{label}: keys {sorted(values)}, uninterrupted {sorted(ref)}"
-            for ratio in (r for r in script.close if r.key in ref):
+            for ratio in (r for r in compared if r.key in ref):
                 mine, theirs = values[ratio.key] / values[ratio.per], ref[ratio.key] / ref[ratio.per]
                 assert ratio.off_by(mine, theirs) <= ratio.atol + ratio.rtol * abs(theirs), \
                     f"{label}: {ratio.key}/{ratio.per} = {mine:.4f}, uninterrupted {theirs:.4f}"
@@ -639,7 +643,8 @@ PORTS: dict[str, Script] = {
         "mnist", "mnist_tutorial.py", ("--epochs", "4", "--log-interval", "10"), 4, ("train", "valid"),
         drop_last=frozenset({"train"}), exact=("n",),
         # autoscale picks other batch sizes in every run, from timings (and more replicas train with
-        # larger ones): an early epoch's accuracy moves by 0.3 between runs, so only the worse side counts
+        # larger ones): an early epoch's accuracy moves by 0.3 between runs, so only the last epoch's is
+        # compared, and only on the worse side
         close=(Ratio("test_loss", "n", rtol=1.0, better="lower"), Ratio("correct", "n", atol=0.25, better="higher")),
         fixed_batch=False, sizes=(("train", 2560), ("valid", 640))),
     "cifar": Script(

@@ -277,6 +277,61 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     check_after_rollbacks(out, epochs=3)
 
 
+@pytest.mark.parametrize("joiner", ["none", "waiting"])
+def test_the_only_member_killed_is_started_again_and_forms_the_next_generation(jobs, tmp_path, joiner):
+    """SIGKILL to the only member of a live job (it cannot mark its generation failed), alone or while a joiner
+    waits to be admitted: its agent starts it again and, the generation's every member being dead, it forms
+    the next one from the checkpoint rather than asking the dead one to admit it; a waiting joiner is never
+    a member of that formation with it (it asks the new generation).  Both nodes end with 0, every step is
+    trained by all its members from one state, each sample once per epoch."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
+                "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
+    first = launch(jobs, out, port, "first", restarts=1, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    launchers = {"first": first}
+    if joiner == "waiting":
+        launchers["second"] = launch(jobs, out, port, "second", **settings)
+        wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
+                 "the joiner to ask to join", interval=0.005)
+    (victim,) = worker_pids(first.pid)
+    os.kill(victim, signal.SIGKILL)
+    for name, launcher in launchers.items():
+        assert wait_exit(launcher, 120, out / f"{name}.log") == 0, logs(out)
+    assert live_pids([victim]) == []
+    check_after_rollbacks(out, epochs=3)
+    after = {r["pid"] for r in steps(out) if r["generation"] > 1}
+    assert victim not in after and len(after) == len(launchers), f"trained after the kill: {after}\n{logs(out)}"
+
+
+def test_a_joiner_takes_out_the_only_member_when_it_is_stopped(jobs, tmp_path):
+    """SIGSTOP to the only member while a joiner waits to be admitted: once the member gave no sign of life for
+    the hang timeout, the joiner takes it out (its launcher kills the stopped process, by PID, and starts it
+    again), the worker started again forms the next generation from the checkpoint and admits the joiner; the
+    job ends exact, and the stopped process never trains again."""
+    out, port = tmp_path / "job", portpicker.pick_unused_port()
+    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
+                "ADAPTIVE_LIVE_HANG_TIMEOUT": "3"}
+    first = launch(jobs, out, port, "first", restarts=1, **settings)
+    wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
+    second = launch(jobs, out, port, "second", **settings)
+    wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
+             "the joiner to ask to join", interval=0.005)
+    (stopped,) = worker_pids(first.pid)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        wait_for(lambda: not live_pids([stopped]), 60, "the stopped member's launcher to kill it")
+    finally:
+        if live_pids([stopped]):
+            os.kill(stopped, signal.SIGCONT)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+    assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
+    check_after_rollbacks(out, epochs=3)
+    assert not [r for r in steps(out) if r["pid"] == stopped and r["time"] > stopped_at]
+    assert len({r["pid"] for r in steps(out) if r["time"] > stopped_at}) == 2, logs(out)
+
+
 def test_a_launcher_stopped_while_its_worker_waits_to_be_admitted_ends_at_once(jobs, tmp_path):
     """SIGTERM to a joining node whose worker waits to be admitted (the running member is held with SIGSTOP,
     so no one answers): the worker has nothing to save and leaves at once (143), and so does its launcher;

@@ -283,18 +283,12 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     point = current_job().part(_CommitPoint)
     steps = step_records.stream()
     error = steps.fault
-    shards = _copy_shards()  # (sharded models: while their mesh's groups are still registered)
+    # Sharded models' shards are copied while their mesh's groups are still registered (not when the restart
+    # path is taken anyway).
+    shards = _copy_shards() if _may_recover_in_memory(steps, error) else None
     _give_up_on_the_group()
     states.abandon_pending_save()  # a background save in flight ran on the broken group
     if shards is None:
-        return False
-    if env.live_recovery() != "memory":
-        logger.error("lost a member (%s); restarting every member from the checkpoint "
-                     "(ADAPTIVE_LIVE_RECOVERY=%s)", error, env.live_recovery())
-        return False
-    if steps.step_committed and steps.step_aborted:
-        logger.error("lost a member (%s) between the updates of two optimizers of one step (one was applied, the "
-                     "other not); restarting from the checkpoint", error)
         return False
     at_loop_start = loop_untrained and point.where != where and bool(point.copies)
     if not at_loop_start and (point.where != where or not point.copies):
@@ -331,6 +325,20 @@ def recover(where: tuple[Any, ...], *, loop_untrained: bool = False) -> bool:
     logger.warning("lost a member (%s): %d -> %d replicas, generation %d, back to %s; re-formed in %.3f s",
                    type(error).__name__ if error else "?", before, env.num_replicas(), membership.generation_number(),
                    back_to, time.perf_counter() - started)
+    return True
+
+
+def _may_recover_in_memory(steps: step_records.StepStream, error: BaseException | None) -> bool:
+    """Whether nothing rules out recovery in memory before the members re-form: the job asked for the restart
+    path (``ADAPTIVE_LIVE_RECOVERY=restart``), or one optimizer of the step applied its update and another not."""
+    if env.live_recovery() != "memory":
+        logger.error("lost a member (%s); restarting every member from the checkpoint "
+                     "(ADAPTIVE_LIVE_RECOVERY=%s)", error, env.live_recovery())
+        return False
+    if steps.step_committed and steps.step_aborted:
+        logger.error("lost a member (%s) between the updates of two optimizers of one step (one was applied, the "
+                     "other not); restarting from the checkpoint", error)
+        return False
     return True
 
 

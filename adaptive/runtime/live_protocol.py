@@ -5,9 +5,10 @@ launchers' TCPStore (:mod:`adaptive.runtime.membership` forms and admits,
 :mod:`adaptive.runtime.reforming` re-forms after a loss).  What those
 modules read and write is defined here, once:
 
-* :class:`Member` (a worker: its id in the job, its node, its local rank) and
-  :class:`Generation` (a numbered list of members, the joiners it
-  admitted), with their JSON form on the store;
+* :class:`Member` (a worker: its id in the job, its node, its local rank),
+  :class:`Candidate` (a worker registered for a generation formed from
+  disk) and :class:`Generation` (a numbered list of members, the joiners
+  it admitted), with their JSON form on the store;
 * :class:`GenerationState`: running, then closed (it became the next one),
   failed (the restart path took over) or ended (training finished);
 * :class:`GenerationKeys` and the job-wide key functions: every key's name
@@ -23,8 +24,8 @@ import enum
 import json
 from typing import Any
 
-__all__ = ["Member", "Generation", "GenerationState", "GenerationKeys", "CURRENT_KEY", "WORKERS_KEY", "AGENTS_KEY",
-           "DRAINS_PENDING_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
+__all__ = ["Member", "Candidate", "Generation", "GenerationState", "GenerationKeys", "CURRENT_KEY", "WORKERS_KEY",
+           "AGENTS_KEY", "DRAINS_PENDING_KEY", "job_prefix", "agent_key", "worker_of_key", "dead_key",
            "beat_key", "drain_key", "HUNG", "WorkerOf", "worker_claim_key", "agent_claim_key"]
 
 
@@ -49,6 +50,29 @@ class Member:
     @classmethod
     def from_json(cls, text: str | bytes) -> Member:
         return cls.from_dict(json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What a worker registers for a generation formed from disk: itself, and whether it already built its
+    objects on a group of one (it waited for admission into a generation that ended meanwhile).
+
+    A generation's members must all build their model the same way (a worker that starts in it builds on the
+    generation's group, one that built on its own rebinds and takes rank 0's weights), so a formation takes
+    the workers that start in it, and those that built already only when no such worker came; the others
+    are admitted into it as joiners.
+    """
+
+    member: Member
+    built: bool
+
+    def to_json(self) -> str:
+        return json.dumps({**self.member.to_dict(), "built": self.built})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Candidate:
+        data = json.loads(text)
+        return cls(Member.from_dict(data), bool(data.get("built", False)))
 
 
 class GenerationState(str, enum.Enum):
@@ -203,7 +227,7 @@ class GenerationKeys:
         return self._key("candidates")  # a counter
 
     def candidate(self, position: int) -> str:
-        return self._key("candidate", position)  # Member.to_json()
+        return self._key("candidate", position)  # Candidate.to_json()
 
     # admission into it while it runs
     @property

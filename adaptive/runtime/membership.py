@@ -14,7 +14,11 @@ A process becomes a member in one of two ways (:func:`join`):
   the last one was lost).  The first candidate closes the round once
   ``ADAPTIVE_LIVE_MIN`` candidates registered and either ``ADAPTIVE_LIVE_MAX``
   did or :data:`LAST_CALL` seconds passed; the members then restore from the
-  checkpoint on disk, as a restart does;
+  checkpoint on disk, as a restart does.  Workers that start in it and
+  workers that built their objects already (they waited for admission into a
+  generation that ended) are never members of one formation together
+  (:class:`~adaptive.runtime.live_protocol.Candidate`): the first kind is
+  taken, and the second asks the new generation to admit it;
 * **admission**: a generation is running.  The process builds its objects
   first (on a group of one), then posts a join request at its admission
   point (:mod:`adaptive.checkpoint.admission`), renewed while it waits; the
@@ -61,9 +65,9 @@ from typing import TYPE_CHECKING, Callable
 
 from adaptive.runtime import env, liveness
 from adaptive.runtime.job import Job, current_job, on_reset
-from adaptive.runtime.live_protocol import (CURRENT_KEY, FINISHED_KEY, WORKERS_KEY, Generation, GenerationKeys, GenerationState,
-                                            Member, WorkerOf, agent_key, beat_key, dead_key, job_prefix,
-                                            worker_claim_key, worker_of_key)
+from adaptive.runtime.live_protocol import (CURRENT_KEY, FINISHED_KEY, HUNG, WORKERS_KEY, Candidate, Generation,
+                                            GenerationKeys, GenerationState, Member, WorkerOf, agent_key, beat_key,
+                                            dead_key, job_prefix, worker_claim_key, worker_of_key)
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -308,7 +312,8 @@ def join(timeout: float, *, admit_now: bool = True) -> Generation | None:
         if running and not admit_now:
             record.awaiting_admission = True
             return None
-        joined = _ask(store, current, me, deadline) if running else _formation(store, current + 1, me, deadline)
+        joined = _ask(store, current, me, deadline) if running else \
+            _formation(store, current + 1, Candidate(me, built=record.awaiting_admission), deadline)
         if joined is not None:
             record.generation, record.awaiting_admission = joined, False
             record.took_state_from_peers = me.wid in joined.joiners
@@ -359,8 +364,9 @@ def _stop_beating(job: Job) -> None:
 on_reset(_stop_beating)
 
 
-def _formation(store: torch.distributed.Store, number: int, me: Member, deadline: float) -> Generation | None:
-    """Register for generation ``number`` formed from disk; the generation, or None when another one started."""
+def _formation(store: torch.distributed.Store, number: int, me: Candidate, deadline: float) -> Generation | None:
+    """Register for generation ``number`` formed from disk; the generation, or None when it started without
+    this worker (it came late, or it had built already and workers that start in it came)."""
     keys = GenerationKeys(number)
     position = int(store.add(keys.candidates, 1))
     store.set(keys.candidate(position), me.to_json())
@@ -371,7 +377,7 @@ def _formation(store: torch.distributed.Store, number: int, me: Member, deadline
         text = read(store, keys.members)
         if text is not None:
             formed = Generation.from_json(text)
-            return formed if formed.rank_of(me.wid) is not None else None  # late: join it running
+            return formed if formed.rank_of(me.member.wid) is not None else None  # left out: join it running
         poll.sleep()
     return None
 
@@ -390,16 +396,19 @@ def _close_formation(store: torch.distributed.Store, keys: GenerationKeys, deadl
         if count >= 1 and read(store, FINISHED_KEY) is not None:
             break  # training finished: the candidates there only find that out from the checkpoint
         poll.sleep()
-    count = min(int(store.add(keys.candidates, 0)), largest)
-    members = sorted(_candidates(store, keys, count), key=lambda m: (m.node, m.local, m.wid))
+    registered = _candidates(store, keys, int(store.add(keys.candidates, 0)))
+    starting = [candidate.member for candidate in registered if not candidate.built]
+    chosen = (starting or [candidate.member for candidate in registered])[:largest]
+    members = sorted(chosen, key=lambda m: (m.node, m.local, m.wid))
     formed = Generation(keys.number, tuple(members))
     if not _first_to_close(store, formed):
         return
     publish(store, formed)
-    logger.debug("formed generation %d with %d members from disk", keys.number, len(members))
+    logger.debug("formed generation %d with %d members from disk (%s)", keys.number, len(members),
+                 "workers that start in it" if starting else "workers that built their objects already")
 
 
-def _candidates(store: torch.distributed.Store, keys: GenerationKeys, count: int) -> list[Member]:
+def _candidates(store: torch.distributed.Store, keys: GenerationKeys, count: int) -> list[Candidate]:
     """The candidates registered at positions 1 to ``count``.
 
     On a signed store each is read without blocking, waiting at most
@@ -410,7 +419,7 @@ def _candidates(store: torch.distributed.Store, keys: GenerationKeys, count: int
     from adaptive.runtime import signed_records
 
     if not signed_records.is_signed(store):
-        return [Member.from_json(store.get(keys.candidate(i))) for i in range(1, count + 1)]
+        return [Candidate.from_json(store.get(keys.candidate(i))) for i in range(1, count + 1)]
     found, until = [], time.monotonic() + MEET_TIMEOUT
     for position in range(1, count + 1):
         text, poll = read(store, keys.candidate(position)), Poll()
@@ -418,7 +427,7 @@ def _candidates(store: torch.distributed.Store, keys: GenerationKeys, count: int
             poll.sleep()
             text = read(store, keys.candidate(position))
         if text is not None:
-            found.append(Member.from_json(text))
+            found.append(Candidate.from_json(text))
     return found
 
 
@@ -459,20 +468,33 @@ def _ask(store: torch.distributed.Store, number: int, me: Member, deadline: floa
 
 def _lives(store: torch.distributed.Store, number: int) -> bool:
     """Whether generation ``number`` may still admit: training has not finished, the generation has not ended,
-    and (when a member reported a loss) some member is not known dead, for the others may be re-forming
-    without the lost one."""
+    and some member is not known dead (after a loss the others may be re-forming without the lost one; when
+    every member was lost, killed before it could say so, no one is left to answer)."""
     if read(store, FINISHED_KEY) is not None:
         return False  # training finished: a worker started now forms a generation at once, which trains nothing
     keys = GenerationKeys(number)
     state = read(store, keys.state)
-    if state in (GenerationState.RUNNING.value, GenerationState.CLOSED.value):
-        return True
-    if state != GenerationState.FAILED.value:
+    if state not in (GenerationState.RUNNING.value, GenerationState.CLOSED.value, GenerationState.FAILED.value):
         return False
     members = read(store, keys.members)
     if members is None:
-        return False
-    return not all(is_dead(member) for member in Generation.from_json(members).members)
+        return state != GenerationState.FAILED.value
+    generation = Generation.from_json(members)
+    if not all(is_dead(member) for member in generation.members):
+        return True
+    _take_out_silent(store, generation)
+    return False
+
+
+def _take_out_silent(store: torch.distributed.Store, generation: Generation) -> None:
+    """Generation ``generation`` is taken for lost: mark its members that no launcher reported dead (they went
+    silent: stopped, hung, or on a lost node) as hung, so that their launchers, if any, kill them and start
+    them again (a stopped process must not wake up into a job that went on without it)."""
+    for member in generation.members:
+        if not store.check([dead_key(member.wid)]):
+            store.set(dead_key(member.wid), HUNG)
+            logger.warning("worker %d of generation %d gave no sign of life (stopped, hung, or its node lost) while "
+                           "this worker waited to join it; taking it out of the job", member.wid, generation.number)
 
 
 def _arrive(store: torch.distributed.Store, following: Generation, wid: int, deadline: float) -> Generation | None:
