@@ -277,31 +277,38 @@ def test_a_joiner_killed_while_joining_leaves_the_job_exact(jobs, tmp_path):
     check_after_rollbacks(out, epochs=3)
 
 
-@pytest.mark.parametrize("joiner", ["none", "waiting"])
-def test_the_only_member_killed_is_started_again_and_forms_the_next_generation(jobs, tmp_path, joiner):
-    """SIGKILL to the only member of a live job (it cannot mark its generation failed), alone or while a joiner
-    waits to be admitted: its agent starts it again and, the generation's every member being dead, it forms
-    the next one from the checkpoint rather than asking the dead one to admit it; a waiting joiner is never
-    a member of that formation with it (it asks the new generation).  Both nodes end with 0, every step is
-    trained by all its members from one state, each sample once per epoch."""
+@pytest.mark.parametrize("case", ["alone", "joiner-waiting", "both-members"])
+def test_every_member_killed_is_started_again_and_forms_the_next_generation(jobs, tmp_path, case):
+    """SIGKILL to every member of a live job at once (they cannot mark their generation failed): the only
+    member, alone or while a joiner waits to be admitted, or both members of a two-node job.  Their agents
+    start them again and, the generation's every member being dead, they form the next one from the
+    checkpoint rather than asking the dead one to admit them; a waiting joiner is never a member of that
+    formation with them (it asks the new generation).  Every node ends with 0, every step is trained by all
+    its members from one state, each sample once per epoch."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
+    settings = {"WORKER_EPOCHS": "8", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
                 "ADAPTIVE_COLLECTIVE_TIMEOUT": "20"}
-    first = launch(jobs, out, port, "first", restarts=1, **settings)
+    launchers = {"first": launch(jobs, out, port, "first", restarts=1, **settings)}
     wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
-    launchers = {"first": first}
-    if joiner == "waiting":
-        launchers["second"] = launch(jobs, out, port, "second", **settings)
+    if case != "alone":
+        launchers["second"] = launch(jobs, out, port, "second", restarts=int(case == "both-members"), **settings)
+    if case == "joiner-waiting":
         wait_for(lambda: "asks the running generation" in (out / "second.log").read_text(errors="replace"), 60,
                  "the joiner to ask to join", interval=0.005)
-    (victim,) = worker_pids(first.pid)
-    os.kill(victim, signal.SIGKILL)
+    if case == "both-members":
+        wait_steps(out, lambda rs: sum(r["world"] == 2 for r in rs) >= 6, "the two members to train")
+    victims = [pid for name in (["first", "second"] if case == "both-members" else ["first"])
+               for pid in worker_pids(launchers[name].pid)]
+    killed_at = time.time()
+    assert not any(r["epoch"] == 7 for r in steps(out)), "training came too near its end before the kill"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     for name, launcher in launchers.items():
         assert wait_exit(launcher, 120, out / f"{name}.log") == 0, logs(out)
-    assert live_pids([victim]) == []
-    check_after_rollbacks(out, epochs=3)
-    after = {r["pid"] for r in steps(out) if r["generation"] > 1}
-    assert victim not in after and len(after) == len(launchers), f"trained after the kill: {after}\n{logs(out)}"
+    assert live_pids(victims) == []
+    check_after_rollbacks(out, epochs=8)
+    after = {r["pid"] for r in steps(out) if r["time"] > killed_at + 1}
+    assert not after & set(victims) and len(after) == len(launchers), f"trained after the kill: {after}\n{logs(out)}"
 
 
 def test_a_joiner_takes_out_the_only_member_when_it_is_stopped(jobs, tmp_path):
@@ -310,7 +317,7 @@ def test_a_joiner_takes_out_the_only_member_when_it_is_stopped(jobs, tmp_path):
     again), the worker started again forms the next generation from the checkpoint and admits the joiner; the
     job ends exact, and the stopped process never trains again."""
     out, port = tmp_path / "job", portpicker.pick_unused_port()
-    settings = {"WORKER_EPOCHS": "3", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
+    settings = {"WORKER_EPOCHS": "8", "WORKER_STEP_SLEEP": "0.08", "ADAPTIVE_CHECKPOINT_INTERVAL": "0.5",
                 "ADAPTIVE_LIVE_HANG_TIMEOUT": "3"}
     first = launch(jobs, out, port, "first", restarts=1, **settings)
     wait_steps(out, lambda rs: len(rs) >= 6, "the first node to train")
@@ -327,7 +334,7 @@ def test_a_joiner_takes_out_the_only_member_when_it_is_stopped(jobs, tmp_path):
             os.kill(stopped, signal.SIGCONT)
     assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
     assert wait_exit(second, 60, out / "second.log") == 0, logs(out)
-    check_after_rollbacks(out, epochs=3)
+    check_after_rollbacks(out, epochs=8)
     assert not [r for r in steps(out) if r["pid"] == stopped and r["time"] > stopped_at]
     assert len({r["pid"] for r in steps(out) if r["time"] > stopped_at}) == 2, logs(out)
 
