@@ -14,7 +14,9 @@ with the one line that changes marked ``# adaptive:``.  The "digits" are
 Stop it (Ctrl-C, SIGTERM, kill a worker) and run the same command again
 with any number of processes: it resumes at the exact sample, with the
 global batch of its first launch, and Lightning's global_step and epoch
-carry on.  See docs/lightning.md.
+carry on.  ``fit(ckpt_path="last")`` is exact too: Lightning's ``last.ckpt``
+carries the library's state, so the run also resumes from it alone (in a
+new checkpoint folder, on another machine).  See docs/lightning.md.
 """
 
 import argparse
@@ -128,7 +130,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     model = LitClassifier(args.hidden, args.learning_rate)
-    trainer.fit(model, datamodule=data)  # resumes by itself from the library's newest checkpoint
+    # last.ckpt carries the library's state (loader position, epoch, random generators): resumed exactly, unless the
+    # library's own newest checkpoint of the same run is further along (a relaunch of this command), which wins
+    trainer.fit(model, datamodule=data, ckpt_path="last")
     if trainer.is_global_zero:
         log.info("done: global step %d, epoch %d", trainer.global_step, trainer.current_epoch)
 

@@ -1,11 +1,14 @@
 """AdaptiveStrategy (adaptive.integrations.lightning): a Lightning script made elastic.
 
 Single-process tests of what the strategy builds (the elastic training
-loader, the model wrapper, the environment), of accumulation and of a stop
-resumed in a new process state, then real ``adaptive-run`` jobs on 127.0.0.1
-(gloo): stopped with SIGTERM on 2 processes and resumed on 3, and a
-SIGKILLed worker, each ending with the weights of an uninterrupted run
-(marked slow), and the example script.
+loader, the model wrapper, the environment), of accumulation, of a stop
+resumed in a new process state, and of ``fit(ckpt_path=...)`` from
+Lightning's own checkpoints (which carry the library's state); then real
+``adaptive-run`` jobs on 127.0.0.1 (gloo): stopped with SIGTERM on 2
+processes and resumed on 3, a SIGKILLed worker, a ``ModelCheckpoint`` file
+of 2 processes resumed with ``ckpt_path=`` on 3, and an
+``adaptive-run --live`` job that gains a node and loses it, each ending with
+the weights of an uninterrupted run (marked slow), and the example script.
 """
 
 from __future__ import annotations
@@ -245,6 +248,134 @@ def test_refusals_name_what_to_do(job):
         AdaptiveStrategy(cluster_environment=object())
 
 
+def _checkpointing_trainer(folder, **kwargs):
+    """A trainer whose ModelCheckpoints write every 4 optimizer steps (on_train_batch_end) and at each epoch's
+    validation (on_validation_end), keeping every file, and last.ckpt."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every_steps = ModelCheckpoint(dirpath=str(folder), filename="{epoch}-{step}", every_n_train_steps=4,
+                                  save_top_k=-1, save_last=True)
+    every_epoch = ModelCheckpoint(dirpath=str(folder), filename="end-{epoch}-{step}", save_top_k=-1)
+    return _trainer(enable_checkpointing=True, callbacks=[every_steps, every_epoch], **kwargs)
+
+
+def _step_of(path):
+    return int(path.stem.split("step=")[1])
+
+
+def test_ckpt_path_resumes_a_lightning_checkpoint_exactly_in_a_fresh_folder(job, monkeypatch):
+    """ModelCheckpoint files (mid-epoch after an optimizer step, and at an epoch's validation end), each resumed with
+    fit(ckpt_path=...) by a new job with an empty library checkpoint folder: the same samples in the same steps and
+    epochs as the uninterrupted run from there, Lightning's counters going on, the same float64 weights, with
+    accumulate_grad_batches=2.  A file written by another strategy (no library state) is refused, naming it."""
+    from conftest import restart_process_state
+
+    saved = job / "lightning"
+    reference = _Module(batch_size=2)
+    trainer = _checkpointing_trainer(saved, max_epochs=3, accumulate_grad_batches=2)
+    trainer.fit(reference)
+    assert trainer.global_step == 18
+    files = sorted(saved.glob("*step=*.ckpt"), key=_step_of)
+    steps = [_step_of(path) for path in files]
+    assert {4, 6, 8, 12}.issubset(steps), steps  # mid-epoch (4, 8) and epoch ends (6, 12)
+    for path in files:
+        start = _step_of(path)
+        if start >= 18:
+            continue
+        restart_process_state()
+        monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / f"fresh-{path.stem}"))
+        resumed = _Module(batch_size=2)
+        trainer = _trainer(max_epochs=3, accumulate_grad_batches=2)
+        trainer.fit(resumed, ckpt_path=str(path))
+        expected = [record for record in reference.trained if record[1] >= start]
+        assert resumed.trained == expected, (path.name, resumed.trained[:3], expected[:3])
+        assert (trainer.global_step, trainer.current_epoch) == (18, 3), path.name
+        assert trainer.fit_loop.epoch_loop._batches_that_stepped == 18, path.name  # the loggers' step
+        torch.testing.assert_close(resumed.net.weight.detach(), reference.net.weight.detach(), rtol=0, atol=1e-12)
+
+    restart_process_state()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "foreign"))
+    plain = job / "plain.ckpt"
+    checkpoint = torch.load(files[0], weights_only=True)
+    checkpoint.pop("adaptive")
+    torch.save(checkpoint, plain)
+    with pytest.raises(ValueError, match=r"ckpt_path=.*plain.ckpt.* holds no library state"):
+        _trainer(max_epochs=3, accumulate_grad_batches=2).fit(_Module(batch_size=2), ckpt_path=str(plain))
+
+
+def test_a_checkpoint_written_inside_an_accumulated_step_resumes_at_the_steps_start(job, monkeypatch):
+    """trainer.save_checkpoint from on_train_batch_end of a step's first micro-batch (accumulate_grad_batches=2):
+    the step is resumed from its start (its first micro-batch trained again), the rest as the uninterrupted run,
+    with the same weights.  One written inside a batch (before the optimizer step) holds no library state and is
+    refused."""
+    from conftest import restart_process_state
+
+    class Saver(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 8 and trainer.current_epoch == 0:  # the first micro-batch of global step 4
+                trainer.save_checkpoint(job / "inside-step.ckpt")
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(job / "inside-batch.ckpt")
+
+    reference = _Module(batch_size=2)
+    _trainer(max_epochs=3, accumulate_grad_batches=2, callbacks=[Saver()]).fit(reference)
+    restart_process_state()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "fresh"))
+    resumed = _Module(batch_size=2)
+    trainer = _trainer(max_epochs=3, accumulate_grad_batches=2)
+    trainer.fit(resumed, ckpt_path=str(job / "inside-step.ckpt"))
+    assert resumed.trained == [record for record in reference.trained if record[1] >= 4]
+    assert (trainer.global_step, trainer.current_epoch) == (18, 3)
+    torch.testing.assert_close(resumed.net.weight.detach(), reference.net.weight.detach(), rtol=0, atol=1e-12)
+    restart_process_state()
+    monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / "fresh2"))
+    with pytest.raises(ValueError, match="holds no library state"):
+        _trainer(max_epochs=3, accumulate_grad_batches=2).fit(_Module(batch_size=2),
+                                                              ckpt_path=str(job / "inside-batch.ckpt"))
+
+
+def test_ckpt_path_last_on_every_launch_never_rolls_back(job, monkeypatch):
+    """fit(ckpt_path="last") on every launch, as Lightning scripts write it: the first launch finds no last.ckpt;
+    stopped after last.ckpt was written, the same command resumes from the library's own newer checkpoint of the
+    same run (not from last.ckpt); with the library's folder gone, from last.ckpt; each time exactly."""
+    from conftest import restart_process_state
+    from adaptive.elastic import sync_points
+
+    saved = job / "lightning"
+    reference = _Module(batch_size=2)
+    _checkpointing_trainer(job / "reference", max_epochs=3, accumulate_grad_batches=2).fit(reference)
+
+    def launch(stop_after=None, folder="library"):
+        restart_process_state()
+        monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / folder))
+        module = _Module(batch_size=2, stop_after=stop_after)
+        trainer = _checkpointing_trainer(saved, max_epochs=3, accumulate_grad_batches=2)
+        trainer.fit(module, ckpt_path="last")
+        return module, trainer
+
+    with pytest.raises(SystemExit) as stopped:
+        launch(stop_after=11)  # 11 micro-batches: stopped in global step 5, after last.ckpt at step 4
+    assert stopped.value.code == sync_points.GRACEFUL_EXIT_CODE
+    last_written = torch.load(saved / "last.ckpt", weights_only=True)["global_step"]
+    module, trainer = launch()
+    first = module.trained[0][1]
+    assert first > last_written, (first, last_written)  # the library's own checkpoint won
+    assert module.trained == [r for r in reference.trained if r[1] >= first]
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 18  # the loggers' step
+    torch.testing.assert_close(module.net.weight.detach(), reference.net.weight.detach(), rtol=0, atol=1e-12)
+
+    # the library's folder lost: last.ckpt (step 16) is resumed exactly
+    last_written = torch.load(saved / "last.ckpt", weights_only=True)["global_step"]
+    assert last_written == 16
+    module, trainer = launch(folder="lost")
+    assert module.trained == [r for r in reference.trained if r[1] >= 16]
+    assert (trainer.global_step, trainer.current_epoch) == (18, 3)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 18  # the loggers' step
+    torch.testing.assert_close(module.net.weight.detach(), reference.net.weight.detach(), rtol=0, atol=1e-12)
+
+
 # ---------------------------------------------------------------------- real jobs
 
 
@@ -403,3 +534,104 @@ def test_the_lightning_example_trains_on_2_processes_under_adaptive_run_and_a_re
     assert (tmp_path / "out" / "last.ckpt").is_file()  # ModelCheckpoint(save_last=True) still writes
     log = run()  # relaunched, on one process: finished, nothing is trained again
     assert "accuracy" not in log and "done: global step 64, epoch 2" in log, log[-4000:]
+    # the library's folder lost: fit(ckpt_path="last") resumes from last.ckpt (written at epoch 1's validation end,
+    # with the library's state in it); the epoch's end is replayed, no step is trained again
+    environment["ADAPTIVE_CHECKPOINT_PATH"] = str(tmp_path / "lost")
+    log = run()
+    assert "ckpt_path=" in log and "restoring the library's state from it" in log, log[-4000:]
+    assert "done: global step 64, epoch 2" in log, log[-4000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 20-40 s on 2 shared cores (two launches)
+def test_a_model_checkpoint_of_2_processes_resumed_with_ckpt_path_on_3_in_fresh_folders_is_exact(
+        jobs, tmp_path, uninterrupted):
+    """ModelCheckpoint files written by a 2-process job (global batch 12 in 2 micro-batches of 3 + 3), the one of
+    step 10 (epoch 1, mid-epoch) resumed with fit(ckpt_path=...) by a 3-process job with a new library checkpoint
+    folder: steps 10-23 with the first launch's global batch (2 + 2 + 2 per micro-batch), Lightning's counters from
+    step 10, every sample once per epoch over both jobs, and the float64 weights of an uninterrupted run."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], first, "job2.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_STEP_SLEEP="0", WORKER_CHECKPOINT_EVERY="5", **_JOB)
+    assert wait_exit(proc, 120, first / "job2.log") == 0, tail(first / "job2.log")
+    saved = first / "lightning" / "epoch=1-step=10.ckpt"
+    assert saved.is_file(), sorted(p.name for p in (first / "lightning").iterdir())
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], second, "job3.log", script=WORKER,
+                       ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_STEP_SLEEP="0", WORKER_DATAMODULE="0",
+                       WORKER_CKPT_PATH=str(saved), **_JOB)
+    log3 = second / "job3.log"
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+    assert "restoring the library's state from it" in log3.read_text(), tail(log3)
+    records = read_jsonl(second / "steps.jsonl")
+    assert {(r["world"], r["local"], r["size"]) for r in records} == {(3, 2, 12)}, records
+    synced = [r for r in records if r["sync"]]
+    assert [r["step"] for r in synced] == list(range(10, 24)), synced  # from the checkpoint's step on, none twice
+    assert [r["global_step"] for r in synced] == list(range(10, 24)), synced
+    assert [r["epoch"] for r in synced] == [1] * 6 + [2] * 8, synced
+    for epoch in (1, 2):  # each sample once per epoch: the first job's steps before 10, the second's from 10
+        indices = sorted(i for out, kept in ((first, lambda step: step < 10), (second, lambda step: True))
+                         for rank in range(3) for r in read_jsonl(out / f"samples.rank{rank}.jsonl")
+                         if r["epoch"] == epoch and kept(r["step"]) for i in r["indices"])
+        assert indices == list(range(96)), (epoch, len(indices))
+    done = json.loads((second / "done.json").read_text())
+    assert (done["global_step"], done["current_epoch"], done["world"]) == (24, 3, 3), done
+    _assert_weights(done, uninterrupted)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("per_node", [pytest.param(1, id="1-per-node"), pytest.param(2, id="2-per-node")])
+def test_a_live_job_of_one_node_gains_a_second_node_which_then_leaves(jobs, tmp_path, job, monkeypatch, per_node):
+    """adaptive-run --live: a Lightning job on one node (global batch 8, validation every epoch) gains a second node
+    mid-training, which is then stopped by SIGTERM (its launcher exits 143) while the first finishes: every step
+    once with 8 samples and Lightning's global step, one join and one leave, every sample once per epoch, the
+    members training each shared step from the same float64 weights, and the weights of an uninterrupted run.
+    About 30 s (1 per node) and 45-60 s (2 per node: 4 processes) on 2 shared cores."""
+    portpicker = pytest.importorskip("portpicker")
+    from live_harness import launch, logs
+
+    reference = _uninterrupted(job, monkeypatch, 8)
+    out, port = tmp_path / "live", portpicker.pick_unused_port()
+    settings = dict(_JOB, WORKER_BATCH=str(8 // per_node), WORKER_ACCUMULATION="1", WORKER_STEP_SLEEP="0.5",
+                    ADAPTIVE_CHECKPOINT_INTERVAL="0")
+    first = launch(jobs, out, port, "first", per_node=per_node, script=WORKER, **settings)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 2, 120, "the first node to train")
+    second = launch(jobs, out, port, "second", per_node=per_node, script=WORKER, **settings)
+    wait_for(lambda: (p := progress(out, 0)) and p["world"] == 2 * per_node and p["step"] >= 3, 150,
+             "the second node to join")
+    joined = progress(out, 0)
+    # two steps on two nodes, and across an epoch's end (its validation and Accumulator on both) unless the join
+    # came in the last epoch
+    wait_for(lambda: (p := progress(out, 0))["step"] >= joined["step"] + 2
+             and (p["epoch"] > joined["epoch"] or joined["epoch"] == 2), 60, "two steps on two nodes")
+    second.send_signal(signal.SIGTERM)
+    assert wait_exit(second, 60, out / "second.log") == 143, logs(out)
+    assert wait_exit(first, 120, out / "first.log") == 0, logs(out)
+
+    records = read_jsonl(out / "steps.jsonl")  # rank 0 (on the first node throughout), one record per step
+    assert [r["step"] for r in records] == list(range(36)), records  # no step lost or trained twice
+    assert all(r["global_step"] == r["step"] and r["size"] == 8 for r in records), records
+    assert all(r["local"] == 8 // r["world"] for r in records), records
+    worlds = [r["world"] for r in records]
+    assert worlds[0] == per_node and 2 * per_node in worlds and worlds[-1] == per_node, worlds
+    assert sum(worlds[i] != worlds[i - 1] for i in range(1, len(worlds))) == 2, worlds  # one join, one leave
+    samples = [r for rank in range(2 * per_node) for r in read_jsonl(out / f"samples.rank{rank}.jsonl")]
+    for epoch in range(3):
+        indices = sorted(i for r in samples if r["epoch"] == epoch for i in r["indices"])
+        assert indices == list(range(96)), (epoch, len(indices))  # every sample once per epoch
+    by_step: dict[int, list[dict]] = {}
+    for record in samples:
+        by_step.setdefault(record["step"], []).append(record)
+    shared = [step for step, group in by_step.items() if len(group) == 2 * per_node]
+    assert len(shared) >= 2, sorted(by_step)
+    for step in shared:  # the joiners took the members' state: all train each shared step from the same weights
+        group = by_step[step]
+        assert len({r["pid"] for r in group}) == len(group), group
+        assert all((r["weights"], r["global_step"]) == (group[0]["weights"], group[0]["global_step"])
+                   for r in group), group
+    epochs = {r["epoch"]: r for r in read_jsonl(out / "epochs.jsonl")}
+    assert sorted(epochs) == [0, 1, 2] and all(r["missing"] == r["extra"] == 0 for r in epochs.values()), epochs
+    done = json.loads((out / "done.json").read_text())
+    assert (done["global_step"], done["current_epoch"], done["world"]) == (36, 3, per_node), done
+    _assert_weights(done, reference)

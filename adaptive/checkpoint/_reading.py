@@ -151,3 +151,34 @@ def verified(directory: Path, seq: int) -> Checkpoint:
         for file in manifest.sharded.files:
             _format.verify_file(sharded / file.file, file)
     return Checkpoint(info_of(manifest, directory), manifest.states, manifest.sharded)
+
+
+class MemoryCheckpoint(Checkpoint):
+    """States already in memory (sent by a live job's members, or carried in a front-end's own checkpoint file),
+    read like a checkpoint on disk, so that every state restores from them by the one path it restores by.
+
+    Args:
+        info: its summary (``path`` says where the states came from).
+        contents: state name -> state, as :meth:`Checkpoint.load` would return it (checked by the caller).
+        source: what the states are, for the error of a missing name.
+    """
+
+    def __init__(self, info: CheckpointInfo, contents: dict[str, Any], source: str) -> None:
+        super().__init__(info, ())
+        self._contents = contents
+        self._source = source
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seq={self.info.seq}, path={str(self.info.path)!r}, states={len(self._contents)})"
+
+    def names(self) -> list[str]:
+        return list(self._contents)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._contents
+
+    def load(self, name: str) -> Any:
+        if name not in self._contents:
+            raise KeyError(f"{self._source} has no state named {name!r}; it has: "
+                           f"{', '.join(map(repr, self._contents)) or 'none'}")
+        return self._contents[name]

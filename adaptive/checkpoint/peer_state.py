@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from adaptive._utils.types import JSON, StateDict
 from adaptive.checkpoint import _flat_state, peer_shards
-from adaptive.checkpoint._reading import Checkpoint, CheckpointError, CheckpointInfo
+from adaptive.checkpoint._reading import CheckpointError, CheckpointInfo, MemoryCheckpoint
 from adaptive.runtime import collectives, membership
 
 __all__ = ["PeerCheckpoint", "send_states", "pass_states", "receive_states"]
@@ -40,28 +40,12 @@ logger = logging.getLogger(__name__)
 FROM_PEERS = Path("<peers>")
 
 
-class PeerCheckpoint(Checkpoint):
+class PeerCheckpoint(MemoryCheckpoint):
     """The states rank 0 sent, in memory, read like a checkpoint; sharded parts are scattered by rank 0."""
 
     def __init__(self, info: CheckpointInfo, contents: dict[str, object], sharded: list[str] | None = None) -> None:
-        super().__init__(info, ())
-        self._contents = contents
+        super().__init__(info, contents, "the state sent by the running members")
         self._sent_sharded = list(sharded or [])
-
-    def __repr__(self) -> str:
-        return f"PeerCheckpoint(seq={self.info.seq}, states={len(self._contents)})"
-
-    def names(self) -> list[str]:
-        return list(self._contents)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._contents
-
-    def load(self, name: str) -> object:
-        if name not in self._contents:
-            raise KeyError(f"the state sent by the running members has no state named {name!r}; it has: "
-                           f"{', '.join(map(repr, self._contents)) or 'none'}")
-        return self._contents[name]
 
     def sharded_names(self) -> list[str]:
         return list(self._sent_sharded)

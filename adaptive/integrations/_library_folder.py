@@ -23,7 +23,8 @@ from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch
 from adaptive.runtime import collectives, env
 
-__all__ = ["LIBRARY_STATE_DIR", "committed_loader_state", "library_checkpoint", "save_library_checkpoint"]
+__all__ = ["LIBRARY_STATE_DIR", "committed_loader_state", "gather_library_states", "library_checkpoint",
+           "save_library_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,38 +47,54 @@ def committed_loader_state(loader: AdaptiveDataLoader, step: Any) -> Any:
     return dict(vars(copy))
 
 
+def gather_library_states(purpose: str, uncommitted_step: Callable[[AdaptiveDataLoader], Any | None],
+                          loader: AdaptiveDataLoader | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Every state of the library as a checkpoint holds it, and the checkpoint's metadata; collective.
+
+    ``purpose`` names the front-end's save in errors and the metadata;
+    ``uncommitted_step(loader)`` is the step of the running ``loader``
+    (default: the one iterating now) whose optimizer step was taken and which
+    the loader has not committed yet (saved as committed), or None.  Returns
+    ``(contents, metadata)`` on rank 0, None elsewhere.
+
+    Raises:
+        ValueError: a sharded state is registered (its shards are saved by DCP, not with a front-end's save).
+    """
+    registered = states.registered_states()
+    sharded = [state.name for state in registered if isinstance(state, states.ShardedState)]
+    if sharded:
+        raise ValueError(f"{purpose}: the sharded states {sharded} cannot be saved with the front-end's checkpoint")
+    for state in registered:
+        state.sync()  # collective: accumulators add up their replicas' increments, every rank's generators
+    if env.rank() != 0:
+        return None
+    contents = {state.name: state.state_dict() for state in registered}
+    loader = current_dataloader() if loader is None else loader
+    step = None if loader is None else uncommitted_step(loader)
+    if loader is not None and step is not None:
+        contents[loader._state.name] = committed_loader_state(loader, step)
+    metadata = {"reason": purpose, "epoch": epoch.current_epoch(),
+                "loader_steps": {name: int(value["step"]) for name, value in contents.items()
+                                 if name.startswith("adaptive.dataloader.")}}
+    return contents, states.manifest_info(registered, metadata)
+
+
 def save_library_checkpoint(folder: str | os.PathLike[str], purpose: str,
                             uncommitted_step: Callable[[AdaptiveDataLoader], Any | None]) -> Path:
     """Checkpoint every state of the library under ``folder/adaptive``; collective.  Returns that folder.
 
-    ``purpose`` names the front-end's save in errors, logs and the
-    checkpoint's metadata; ``uncommitted_step(loader)`` is the step of the
-    running loader whose optimizer step was taken and which the loader has
-    not committed yet (saved as committed), or None.
+    ``purpose`` and ``uncommitted_step``: as for :func:`gather_library_states`.
 
     Raises:
         ValueError: a sharded state is registered (its shards are saved by DCP, not here).
         RuntimeError: on every process, when rank 0 could not write the checkpoint.
     """
     root = Path(folder) / LIBRARY_STATE_DIR
-    registered = states.registered_states()
-    sharded = [state.name for state in registered if isinstance(state, states.ShardedState)]
-    if sharded:
-        raise ValueError(f"{purpose}: the sharded states {sharded} cannot be saved in the front-end's folder")
-    for state in registered:
-        state.sync()  # collective: accumulators add up their replicas' increments, every rank's generators
+    gathered = gather_library_states(purpose, uncommitted_step)
     error = None
-    if env.rank() == 0:
-        contents = {state.name: state.state_dict() for state in registered}
-        loader = current_dataloader()
-        step = None if loader is None else uncommitted_step(loader)
-        if loader is not None and step is not None:
-            contents[loader._state.name] = committed_loader_state(loader, step)
-        metadata = {"reason": purpose, "epoch": epoch.current_epoch(),
-                    "loader_steps": {name: int(value["step"]) for name, value in contents.items()
-                                     if name.startswith("adaptive.dataloader.")}}
+    if gathered is not None:
         try:
-            info = CheckpointStore(root, keep=1).save(contents, states.manifest_info(registered, metadata))
+            info = CheckpointStore(root, keep=1).save(*gathered)
             logger.info("%s: the library's state (loader positions, epoch, random generators, model, optimizer, "
                         "LR scheduler) is in %s", purpose, info.path)
         except Exception as failure:  # every process raises, not only rank 0

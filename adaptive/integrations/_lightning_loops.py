@@ -14,8 +14,21 @@ raises when an attribute used here is gone):
   progress records (``epoch_progress``, ``batch_progress``,
   ``scheduler_progress``, the optimizer progress) through their public
   ``state_dict`` / ``load_state_dict``, and the epoch loop's private
-  ``_batches_that_stepped`` (the step loggers see), and the loops'
-  ``restarting`` flag.
+  ``_batches_that_stepped`` (the step loggers see; saved as the epoch
+  loop's restart "on last" will count it, with its ``_should_check_val_fx``
+  and ``_should_accumulate``), and the loops'
+  ``restarting`` flag; :func:`counters_at_boundary` writes them as they
+  will stand once the batch in progress has ended (for the library's state
+  in a Lightning checkpoint written from a batch-end hook).
+* :func:`skip_sigterm_broadcast`: the training epoch loop's per-batch
+  broadcast of Lightning's own SIGTERM flag
+  (``_broadcast_sigterm_tensor``), which the strategy's SIGTERM handling
+  replaces (the flag stays false), and which a live joiner, admitted
+  between two batches of the members, would answer out of turn.
+* :func:`rebuild_evaluation_data`: the validation loop's
+  ``_combined_loader``, dropped after a live membership change so that
+  Lightning builds the validation dataloaders (and their
+  ``DistributedSampler``) again for the members there are now.
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
 
 __all__ = ["CHECKED_LIGHTNING_VERSIONS", "check_lightning_version", "check_lightning_internals",
-           "train_without_distributed_sampler", "loop_counters", "restore_loop_counters"]
+           "train_without_distributed_sampler", "loop_counters", "restore_loop_counters", "counters_at_boundary",
+           "global_step_of", "batches_that_stepped", "skip_sigterm_broadcast", "rebuild_evaluation_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +62,9 @@ def check_lightning_internals(trainer: pl.Trainer) -> None:
     """The private attributes used here exist on ``trainer`` (else a RuntimeError naming the release)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     missing = [name for obj, name in ((trainer, "_accelerator_connector"), (epoch_loop, "_batches_that_stepped"),
-                                      (epoch_loop, "automatic_optimization"))
+                                      (epoch_loop, "automatic_optimization"), (epoch_loop, "_broadcast_sigterm_tensor"),
+                                      (epoch_loop, "_should_check_val_fx"), (epoch_loop, "_should_accumulate"),
+                                      (trainer.fit_loop, "_data_fetcher"), (epoch_loop.val_loop, "_combined_loader"))
                if not hasattr(obj, name)]
     if not hasattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler"):
         missing.append("_accelerator_connector.use_distributed_sampler")
@@ -87,7 +103,23 @@ def loop_counters(trainer: pl.Trainer) -> dict[str, Any]:
             "batch_progress": epoch_loop.batch_progress.state_dict(),
             "scheduler_progress": epoch_loop.scheduler_progress.state_dict(),
             "optim_progress": epoch_loop.automatic_optimization.optim_progress.state_dict(),
-            "batches_that_stepped": int(epoch_loop._batches_that_stepped)}
+            "batches_that_stepped": int(epoch_loop._batches_that_stepped) - _replayed_batch_end(trainer)}
+
+
+def _replayed_batch_end(trainer: pl.Trainer) -> int:
+    """1 when a resume from the counters saved now will replay the end of the last completed batch, else 0.
+
+    Restored at a step boundary, the epoch loop restarts "on last": when a
+    validation is due after that batch, its first ``advance`` returns at
+    once (the validation ran before the save) and its ``on_advance_end``
+    counts the batch in ``_batches_that_stepped`` once more.  The counters
+    are saved one lower, so that the loggers' step comes back as it was.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or epoch_loop._should_accumulate():
+        return 0
+    return int(bool(epoch_loop._should_check_val_fx(fetcher)))
 
 
 def restore_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None:
@@ -114,3 +146,48 @@ def restore_loop_counters(trainer: pl.Trainer, counters: dict[str, Any]) -> None
     optim_progress.reset_on_restart()
     epoch_loop._batches_that_stepped = int(counters["batches_that_stepped"])
     epoch_loop.restarting = True  # keep the epoch's batch counts (reset_on_restart rather than reset_on_run)
+
+
+def counters_at_boundary(trainer: pl.Trainer, batches_back: int, stepped_before_batch: int,
+                         stepped: bool) -> dict[str, Any]:
+    """The counters of :func:`loop_counters` at the step boundary a checkpoint written now stands for.
+
+    Lightning writes its checkpoints from hooks inside a batch's processing
+    (``on_train_batch_end``, ``on_validation_end``, ``on_train_epoch_end``),
+    where the batch is not yet counted as completed and
+    ``_batches_that_stepped`` may not count it yet.  The library saves the
+    loader's position at a step boundary: after the batch in progress when
+    its optimizer step was taken (``stepped``), else before the
+    ``batches_back`` micro-batches of the step in progress.  The batch
+    counts are set to that boundary (every batch there is completed), and
+    ``_batches_that_stepped`` to its value before the batch in progress
+    (``stepped_before_batch``), plus one when that batch stepped.
+    """
+    counters = loop_counters(trainer)
+    for part in ("total", "current"):
+        counts = counters["batch_progress"][part]
+        boundary = max(int(counts["processed"]) - batches_back, 0)
+        counts.update(ready=boundary, started=boundary, processed=boundary, completed=boundary)
+    replayed = _replayed_batch_end(trainer) if stepped else 0
+    counters["batches_that_stepped"] = int(stepped_before_batch) + (1 if stepped else 0) - replayed
+    return counters
+
+
+def global_step_of(counters: dict[str, Any]) -> int:
+    """Lightning's ``global_step`` in counters saved by :func:`loop_counters` (its optimizer steps taken)."""
+    return int(counters["optim_progress"]["optimizer"]["step"]["total"]["completed"])
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The epoch loop's ``_batches_that_stepped`` now."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """No per-batch broadcast of Lightning's SIGTERM flag in the training epoch loop (see the module docstring)."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+
+
+def rebuild_evaluation_data(trainer: pl.Trainer) -> None:
+    """Make the next validation build its dataloaders again (for the processes of a new live generation)."""
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None

@@ -48,6 +48,18 @@ the first launch.  What the strategy takes over, and why:
 * **Stops.**  SIGTERM (or :func:`adaptive.request_stop`) stops every
   process after the same step; the library checkpoints and they exit 143.
   Lightning's own SIGTERM handling is replaced while training.
+* **Lightning's checkpoints.**  Every checkpoint Lightning writes during
+  ``fit`` (``ModelCheckpoint``, ``Trainer.save_checkpoint``) carries the
+  library's state (``checkpoint["adaptive"]``: loader position, epoch,
+  random generators, model wrapper, counters at the step boundary), and
+  ``fit(ckpt_path=...)`` resumes from it exactly, at any world size, unless
+  the library's own newest checkpoint continues the same run beyond it
+  (:mod:`adaptive.integrations._lightning_checkpoint`).
+* **Live membership.**  Under ``adaptive-run --live`` a joiner is admitted
+  when Lightning sets up the training data, takes the members' state and
+  Lightning's counters, and runs its strategy collectives alone until its
+  first batch (Lightning's data set-up runs some the members do not);
+  rank-zero logging and the validation dataloaders follow every change.
 
 Lightning's private parts are kept in one module,
 :mod:`adaptive.integrations._lightning_loops`, checked against
@@ -61,6 +73,7 @@ import json
 import logging
 import os
 import signal
+import uuid
 from typing import Any, Callable, Iterator
 
 try:
@@ -75,15 +88,19 @@ except ImportError as error:  # the optional extra is missing
 import torch
 import torch.utils.data
 
+from adaptive.checkpoint import admission
 from adaptive.checkpoint.states import State, load_state
 from adaptive.data._loader_options import options_of
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
-from adaptive.integrations._lightning_loops import (CHECKED_LIGHTNING_VERSIONS, check_lightning_internals,
-                                                    check_lightning_version, loop_counters, restore_loop_counters,
-                                                    train_without_distributed_sampler)
+from adaptive.integrations import _lightning_checkpoint as embedded_state
+from adaptive.integrations._lightning_loops import (CHECKED_LIGHTNING_VERSIONS, batches_that_stepped,
+                                                    check_lightning_internals, check_lightning_version,
+                                                    counters_at_boundary, global_step_of, loop_counters,
+                                                    rebuild_evaluation_data, restore_loop_counters,
+                                                    skip_sigterm_broadcast, train_without_distributed_sampler)
 from adaptive.integrations._epoch_passes import EpochPasses
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
-from adaptive.runtime import env
+from adaptive.runtime import env, membership
 from adaptive.runtime.collectives import init_process_group
 
 __all__ = ["AdaptiveEnvironment", "AdaptiveStrategy", "CHECKED_LIGHTNING_VERSIONS", "RECORD_STATE_NAME"]
@@ -152,15 +169,24 @@ class LightningRecord(State):
     """The first launch's processes and accumulation, and Lightning's loop counters; checkpointed.
 
     The counters are read live at every save (``counters`` is a callable)
-    and kept, as restored, until the strategy applies them.
+    and kept, as restored, until the strategy applies them (``on_admission``
+    applies them on a live joiner once it is admitted).  ``run`` names the
+    training run (made at the first launch, kept by every resume), so that
+    ``fit(ckpt_path=...)`` can tell a later checkpoint of the same run from
+    another run's.
     """
+
+    version = 2  # 2 adds "run"
+    migrations = {1: lambda state: dict(state, run="")}
 
     def __init__(self, processes: int, accumulation: int) -> None:
         super().__init__(RECORD_STATE_NAME)
         self.processes = processes
         self.accumulation = accumulation
+        self.run = uuid.uuid4().hex  # only rank 0's is saved, and every rank reads that one back
         self.counters: Callable[[], dict[str, Any]] | None = None
         self.saved_counters: dict[str, Any] | None = None
+        self.on_admission: Callable[[], None] | None = None
         self.restored = load_state(self)
         if self.restored and (self.processes, self.accumulation) != (processes, accumulation) and env.rank() == 0:
             logger.info("first launch: %d processes x %d accumulated batches; now %d x %d: the first launch's "
@@ -168,12 +194,20 @@ class LightningRecord(State):
 
     def state_dict(self) -> dict[str, Any]:
         counters = self.counters() if self.counters is not None else self.saved_counters
-        return {"processes": self.processes, "accumulation": self.accumulation, "counters": json.dumps(counters)}
+        return {"processes": self.processes, "accumulation": self.accumulation, "counters": json.dumps(counters),
+                "run": self.run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.processes = int(state["processes"])
         self.accumulation = int(state["accumulation"])
         self.saved_counters = json.loads(state["counters"])
+        if state["run"]:  # (a version-1 record has none: keep the new one)
+            self.run = str(state["run"])
+
+    def restore_on_admission(self) -> None:
+        super().restore_on_admission()
+        if self.on_admission is not None:
+            self.on_admission()
 
 
 class AdaptiveStrategy(DDPStrategy):
@@ -205,6 +239,8 @@ class AdaptiveStrategy(DDPStrategy):
         self._epochs: EpochPasses | None = None
         self._library_handlers: dict[int, Any] = {}
         self._fitted = False
+        self._joining = False  # a live joiner, until its first training batch (see _local_while_joining)
+        self._stepped_before_batch = 0  # Lightning's _batches_that_stepped when the batch in progress started
 
     # ------------------------------------------------------------------ processes
 
@@ -260,6 +296,7 @@ class AdaptiveStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._joining = membership.is_live() and membership.is_awaiting_admission()
         # before configure_optimizers, which may set up the training data (trainer.estimated_stepping_batches)
         self._record = LightningRecord(env.num_replicas(), int(trainer.accumulate_grad_batches))
         train_without_distributed_sampler(trainer)
@@ -278,17 +315,31 @@ class AdaptiveStrategy(DDPStrategy):
         self._library_handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         self.setup_precision_plugin()  # (optimizer state restored from a checkpoint is on its parameters' device)
         record = self._record
-        if record.saved_counters is not None:
-            restore_loop_counters(trainer, record.saved_counters)
-            if env.rank() == 0:
-                logger.info("Lightning resumes at epoch %d, global step %d", trainer.current_epoch,
-                            trainer.global_step)
+        self._apply_saved_counters(trainer, "resumes")
         record.counters = lambda: loop_counters(trainer)
-        if trainer.ckpt_path is not None and env.rank() == 0:
-            logger.warning("trainer.fit(ckpt_path=%r): Lightning restores its checkpoint's optimizer, LR scheduler and "
-                           "loop counters over the library's, and a Lightning checkpoint holds no loader position: "
-                           "the resume is not exact. AdaptiveStrategy resumes by itself from the library's newest "
-                           "checkpoint; leave ckpt_path out", str(trainer.ckpt_path))
+        record.on_admission = lambda: self._apply_saved_counters(trainer, "joins the job")
+        skip_sigterm_broadcast(trainer)  # (the library's SIGTERM handling replaces Lightning's flag)
+        if membership.is_live():
+            membership.on_regroup(lambda: self._follow_regroup(trainer))
+
+    def _apply_saved_counters(self, trainer: pl.Trainer, what: str) -> None:
+        """Lightning's counters as the record restored them (from a checkpoint, or from the members of a live
+        job when this process was admitted)."""
+        record = self._record
+        if record is None or record.saved_counters is None:
+            return
+        restore_loop_counters(trainer, record.saved_counters)
+        self._stepped_before_batch = batches_that_stepped(trainer)
+        if env.rank() == 0 or what != "resumes":
+            logger.info("Lightning %s at epoch %d, global step %d", what, trainer.current_epoch, trainer.global_step)
+
+    def _follow_regroup(self, trainer: pl.Trainer) -> None:
+        """Live: after a membership change, Lightning's rank-zero logging follows the new rank, and the next
+        validation builds its dataloaders (their ``DistributedSampler``) for the processes there are now."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = env.rank()  # type: ignore[attr-defined]
+        rebuild_evaluation_data(trainer)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -297,6 +348,121 @@ class AdaptiveStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._take_signals_back()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Note Lightning's ``_batches_that_stepped`` as the batch starts (for a checkpoint written in its hooks);
+        a live joiner's first batch ends its set-up (see :meth:`_local_while_joining`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._stepped_before_batch = batches_that_stepped(trainer)
+            if self._joining:
+                self._joining = False
+                rebuild_evaluation_data(trainer)  # built alone; built again with every member at the next validation
+        super().on_train_batch_start(batch, batch_idx)
+
+    # ------------------------------------------------------------------ live joiners
+
+    def _local_while_joining(self) -> bool:
+        """Whether this process is a live joiner that has not trained its first batch yet.
+
+        Lightning's data set-up runs a barrier and all-reduces the loaders'
+        lengths, before and after the training loader's first ``iter()``,
+        where the joiner is admitted; the members, then between two batches,
+        run none of them.  Until its first batch the joiner's collectives of
+        the strategy are its own: the elastic loader has the same length on
+        every process.
+        """
+        return self._joining
+
+    def barrier(self, name: str | None = None) -> None:
+        if not self._local_while_joining():
+            super().barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._local_while_joining() else super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return tensor if self._local_while_joining() else super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ Lightning's checkpoints
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's checkpoint, with the library's state in it (``checkpoint["adaptive"]``), so that
+        ``fit(ckpt_path=...)`` resumes it exactly; collective, as ``Trainer.save_checkpoint`` is.
+
+        A weights-only checkpoint, or one written in the middle of a batch or of an accumulated step, holds
+        none (a warning says so for the latter).
+        """
+        contents = self._library_contents(checkpoint)
+        if contents is not None:
+            checkpoint[embedded_state.EMBEDDED_KEY] = contents
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _library_contents(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """The library's state for Lightning's ``checkpoint`` (on rank 0; collective), or None when it gets none."""
+        record, module = self._record, self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if record is None or record.counters is None or trainer is None or "optimizer_states" not in checkpoint:
+            return None  # not fitting, or a weights-only checkpoint
+        found = self._counters_at_save(trainer)
+        if found is None:
+            return None
+        counters, stepped = found
+
+        def replace(contents: dict[str, Any]) -> None:
+            contents[record.name] = dict(contents[record.name], counters=json.dumps(counters))
+
+        return embedded_state.library_contents(self.train_loader, stepped, replace)
+
+    def _counters_at_save(self, trainer: pl.Trainer) -> tuple[dict[str, Any], bool] | None:
+        """Lightning's counters at the step boundary the loader's saved position stands for, and whether the
+        loader's step in progress had its optimizer step taken; None inside a batch (no exact boundary)."""
+        loader = self.train_loader
+        step = None if loader is None else loader.current_step
+        if loader is None or step is None:  # before the first batch, between epochs' passes, or after training
+            return loop_counters(trainer), False
+        micro = loader.micro_step
+        progress = loop_counters(trainer)["batch_progress"]["total"]
+        if progress["processed"] != progress["ready"] or micro is None:
+            if env.rank() == 0:
+                logger.warning("a Lightning checkpoint written in the middle of a training batch holds no library "
+                               "state: fit(ckpt_path=...) cannot resume it exactly")
+            return None
+        stepped = not loader.is_accumulation_step()
+        if not stepped and env.rank() == 0:
+            logger.warning("a Lightning checkpoint written in the middle of an accumulated step: it resumes at the "
+                           "step's start (the step's first %d micro-batches are trained again)", micro[0] + 1)
+        back = 0 if stepped else micro[0] + 1
+        return counters_at_boundary(trainer, back, self._stepped_before_batch, stepped), stepped
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's checkpoint for ``fit(ckpt_path=...)``; the library resumes from the state in it.
+
+        Every library state (model, optimizer, LR scheduler, loader position,
+        epoch, random generators, accumulators, Lightning's counters) then
+        restores from the checkpoint's library state, at any world size,
+        unless the library's own newest checkpoint continues the same run
+        beyond it (then that one wins, and the file's training state is
+        ignored).  Lightning still restores the file's callbacks, datamodule
+        and precision states; its loop counters are the library's (they
+        stand at the step boundary the loader's position was saved at).
+
+        Raises:
+            ValueError: the file holds no library state (see :meth:`save_checkpoint`).
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        embedded = checkpoint.pop(embedded_state.EMBEDDED_KEY, None)
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        chosen = embedded_state.choose_embedded(checkpoint_path, embedded, RECORD_STATE_NAME, global_step_of)
+        checkpoint.pop("loops", None)  # Lightning's counters come with the library's state
+        if chosen is None:  # the library's own newest checkpoint, or a live job's members: not this file's
+            checkpoint["optimizer_states"], checkpoint["lr_schedulers"] = [], []
+        else:
+            embedded_state.resume_from_embedded(chosen)
+        return checkpoint
 
     def _take_signals_back(self) -> None:
         """The library's SIGTERM and SIGINT handlers again: Lightning installs its own once the strategy is set up
@@ -347,6 +513,10 @@ class AdaptiveStrategy(DDPStrategy):
                 return self._epochs  # reloaded (reload_dataloaders_every_n_epochs): the same elastic loader
             raise ValueError("AdaptiveStrategy trains with one training dataloader (a CombinedLoader of several, or "
                              "a reloaded one over another dataset, is not supported)")
+        if self._joining:
+            # A live joiner is admitted here, before Lightning counts the training batches: the loader is built
+            # with the job's record (the first launch's global batch) and restores the members' position.
+            admission.admit()
         self._epochs = EpochPasses(
             self._make_loader(dataloader), lambda: _epoch_limit(trainer), front_end="AdaptiveStrategy",
             early_end="Lightning ended an epoch before the elastic loader did (limit_train_batches, or "

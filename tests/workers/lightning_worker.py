@@ -17,13 +17,17 @@ Environment knobs:
     WORKER_STEP_SLEEP   seconds each training step sleeps, to give tests time to act (default 0.1)
     WORKER_DTYPE        dtype of the model and data: float32 (default) or float64 (exact comparisons)
     WORKER_DATAMODULE   1 (default): the data comes from a LightningDataModule; 0: from the module's methods
+    WORKER_CHECKPOINT_EVERY  a ModelCheckpoint writes ``WORKER_OUT/lightning/{epoch}-{step}.ckpt`` every that many
+                        optimizer steps, keeping every file, and ``last.ckpt`` (default 0: no ModelCheckpoint)
+    WORKER_CKPT_PATH    ``trainer.fit(ckpt_path=...)`` (default: none)
 
 Every rank rewrites ``progress.rank<R>.json`` after every micro-batch (pid,
 epoch, loader step, world); rank 0 appends one record per micro-batch to
 ``steps.jsonl`` (Lightning's global_step and epoch, the loader's step, its
 planned and actual global batch, this process's samples, whether the
 optimizer steps); every rank appends the sample indices it trained to
-``samples.rank<R>.jsonl``; at the end of each epoch rank 0 appends to
+``samples.rank<R>.jsonl`` (with Lightning's global step, its pid and the weights it
+trained the batch with); at the end of each epoch rank 0 appends to
 ``epochs.jsonl`` the samples missed and repeated (per-sample counts summed
 over the processes by an Accumulator); at the end ``done.json`` (Lightning's
 counters, the scheduler's count, the final weights).  Every process appends
@@ -36,6 +40,7 @@ import time
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 
 import adaptive
@@ -51,6 +56,8 @@ ACCUMULATION = int(os.environ.get("WORKER_ACCUMULATION", "1"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.1"))
 DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
 DATAMODULE = os.environ.get("WORKER_DATAMODULE", "1") == "1"
+CHECKPOINT_EVERY = int(os.environ.get("WORKER_CHECKPOINT_EVERY", "0"))
+CKPT_PATH = os.environ.get("WORKER_CKPT_PATH") or None
 
 
 def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
@@ -92,7 +99,9 @@ class Regression(L.LightningModule):
         self.counts["seen"] += np.bincount(index.numpy(), minlength=SAMPLES)
         sync = not loader.is_accumulation_step()
         append_jsonl(os.path.join(OUT, f"samples.rank{rank}.jsonl"), {
-            "epoch": trainer.current_epoch, "step": loader.step, "world": world, "indices": index.tolist()})
+            "epoch": trainer.current_epoch, "step": loader.step, "world": world, "indices": index.tolist(),
+            "global_step": trainer.global_step, "pid": os.getpid(),
+            "weights": [value for tensor in self.net.state_dict().values() for value in tensor.flatten().tolist()]})
         if rank == 0:
             step = loader.current_step
             append_jsonl(os.path.join(OUT, "steps.jsonl"), {
@@ -137,10 +146,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
     model = Regression() if DATAMODULE else OwnLoaders()
+    callbacks = []
+    if CHECKPOINT_EVERY:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(OUT, "lightning"), filename="{epoch}-{step}",
+                                         every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1, save_last=True))
     trainer = L.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATION, strategy=AdaptiveStrategy(),
-                        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(model, datamodule=Data() if DATAMODULE else None)
+                        accelerator="cpu", logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=Data() if DATAMODULE else None, ckpt_path=CKPT_PATH)
     if trainer.global_rank == 0:
         scheduler = trainer.lr_scheduler_configs[0].scheduler
         write_json(os.path.join(OUT, "done.json"), {
