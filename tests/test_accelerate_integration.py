@@ -463,7 +463,9 @@ def test_stop_on_2_processes_resume_on_3_keeps_the_global_batch_and_ends_with_th
     job = dict(_JOB, WORKER_BATCH="3", WORKER_ACCUMULATION="2")  # 3 per process x 2 processes x 2 micro-batches
     proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER,
                        ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAVE_EVERY="5", **job)
-    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 5, 60, "2 processes to take 5 steps")
+    # (well before epoch 0's last step, 7: a stop in the evaluation loop resumes it at its next batch, and the
+    # evaluation record would hold only the samples gathered after the resume)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 3, 60, "2 processes to take 3 steps")
     os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler does to the launcher
     assert wait_exit(proc, 60, log2) == 143, tail(log2)
     stopped = progress(out, 0)
@@ -638,3 +640,64 @@ def test_a_tiny_transformers_model_trains_through_prepare(accel):
             losses.append(accelerator.gather_for_metrics(loss.detach()).mean().item())
     assert loader.step == scheduler.scheduler.last_epoch == 8 and len(losses) == 8
     assert scheduler.get_last_lr() == [0.0]  # the linear schedule ends where training ends
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scripted", [
+    # the goodput model's own choices follow timings (20-45 s here): the slow sample; scripted ones: every run
+    pytest.param("", id="goodput-model", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
+    pytest.param("2x2,4x2,2x3,4x4,3x2,4x3", id="scripted")])
+def test_autoscale_on_a_prepared_loader_follows_the_plan_across_a_stop_on_2_and_a_resume_on_3(jobs, tmp_path,
+                                                                                            scripted):
+    """``train_loader.autoscale_batch_size(32, local_bsz_bounds=(1, 4), gradient_accumulation=True)`` on the loader
+    ``prepare`` returned, 2 processes stopped by SIGTERM and resumed on 3.  From rank 0's record of every
+    micro-batch: the batch changes during the run (scripted: the goodput model's decisions replaced by a script,
+    so that the accumulation steps change whatever the machine measures); inside ``accumulate``,
+    ``sync_gradients`` is true exactly on the micro-batch that ends a step and ``gradient_accumulation_steps`` is
+    the step's micro-batches; each step's samples are the planned global batch; ``completed_steps`` and
+    ``samples_seen`` count every step and sample once; every sample is trained once per epoch; the LR factor is
+    the scaling rule's (SGD with momentum: AdaScale, the gain, 1 <= gain <= scale)."""
+    out = tmp_path / "autoscale"
+    log2, log3 = out / "job2.log", out / "job3.log"
+    knobs = dict(ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAMPLES="96", WORKER_BATCH="2", WORKER_EPOCHS="2",
+                 WORKER_AUTOSCALE="32,1,4", WORKER_SCRIPTED=scripted)
+    started = time.time()
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER,
+                       WORKER_STEP_SLEEP="0.15", **knobs)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 6, 90, "2 processes to take 6 steps")
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert wait_exit(proc, 60, log2) == 143, tail(log2)
+    assert exit_codes(out, started) == [143, 143], tail(log2)
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], out, "job3.log", script=WORKER,
+                       WORKER_STEP_SLEEP="0.01", **knobs)
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+
+    records = read_jsonl(out / "steps.jsonl")
+    steps: dict[int, list[dict]] = {}
+    for record in records:
+        steps.setdefault(record["step"], []).append(record)
+    assert sorted(steps) == list(range(len(steps))), sorted(steps)  # each optimizer step once, none lost
+    shapes, samples, factors = set(), 0, []
+    for number, micro in sorted(steps.items()):
+        first, last = micro[0], micro[-1]
+        count = first["micro_step"][1]
+        assert [record["micro_step"] for record in micro] == [[m, count] for m in range(count)], micro
+        assert [record["sync"] for record in micro] == [False] * (count - 1) + [True], micro
+        assert all(record["accumulation"] == count for record in micro), micro
+        assert all(record["world"] == first["world"] and record["size"] == first["size"] for record in micro)
+        samples += first["size"]
+        assert (last["completed"], last["samples"]) == (number + 1, samples), last  # the accelerator's counters
+        assert 1.0 <= last["gain"] <= first["planned"] / 4 + 1e-9 and last["rule_factor"] == pytest.approx(
+            last["gain"]), last  # AdaScale: the LR factor is the measured gain
+        shapes.add((first["world"], first["planned"] // (first["world"] * count), count))  # the planned local batch
+        factors.append(last["rule_factor"])
+    assert {shape[0] for shape in shapes} == {2, 3}
+    assert len({shape[1:] for shape in shapes}) > 1, shapes  # autoscale changed the batch
+    assert max(factors) > 1.0, factors
+    if scripted:
+        assert len({shape[2] for shape in shapes}) > 1, shapes  # the accumulation steps changed
+    epochs = {record["epoch"]: record for record in read_jsonl(out / "epochs.jsonl")}
+    assert [(epochs[e]["missing"], epochs[e]["extra"]) for e in (0, 1)] == [(0, 0), (0, 0)], epochs
+    done = json.loads((out / "done.json").read_text())
+    assert (done["completed_steps"], done["samples_seen"], done["step"], done["world"]) == (
+        len(steps), 2 * 96, len(steps), 3), done

@@ -34,6 +34,7 @@ from conftest import restart_process_state  # noqa: E402
 from elastic_harness import (REPO, exit_codes, live_pids, newest_checkpoint_step, progress, read_jsonl,  # noqa: E402
                              tail, wait_exit, wait_for)
 from elastic_harness import jobs  # noqa: E402,F401  (the fixture)
+from workers.worker_common import TrainerRegressor as Regressor  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "trainer_worker.py"
 
@@ -52,21 +53,6 @@ def trainer_cls(job):
     _reset_accelerate()
     yield AdaptiveTrainer
     _reset_accelerate()
-
-
-class Regressor(torch.nn.Module):
-    """A linear model with the Trainer's calling convention; ``seen`` logs the indices of each training forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-        self.seen: list[list[int]] = []
-
-    def forward(self, x, labels=None, index=None):
-        prediction = self.linear(x).squeeze(-1)
-        if torch.is_grad_enabled() and index is not None:
-            self.seen.append(index.tolist())
-        return {"loss": torch.nn.functional.mse_loss(prediction, labels), "logits": prediction}
 
 
 def _samples(n: int, seed: int = 1) -> list[dict]:
@@ -621,3 +607,298 @@ def test_a_live_job_of_one_node_gains_a_second_node_which_then_leaves(jobs, tmp_
     # the Trainer's evaluation every epoch, sharded over the members of the moment (Accelerate's process count
     # follows the joins and leaves)
     assert [entry["step"] for entry in done["evaluations"]] == [PER_EPOCH, 2 * PER_EPOCH, TOTAL], done["evaluations"]
+
+
+# ---------------------------------------------------------------- autoscale
+
+
+class _Shapes(transformers.TrainerCallback):
+    """Records, at every optimizer step, the step the loader planned and what the Trainer counted."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.records: list[dict] = []
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        loader = self.trainer.get_train_dataloader().loader
+        step = loader.current_step
+        self.records.append({"step": state.global_step, "micro": step.shape.micro, "accum": step.num_micro_steps,
+                             "size": step.size, "planned": step.planned_size, "lr": lr_scheduler.get_last_lr()[0],
+                             "factor": self.trainer.model_wrapped.scaling_rule.last_factor,
+                             "scheduler_steps": lr_scheduler.last_epoch})
+
+
+def test_autoscale_settings_are_checked_by_the_librarys_validator(trainer_cls, tmp_path):
+    with pytest.raises(ValueError, match="local_bsz_bounds"):
+        trainer_cls(model=Regressor(), args=_args(tmp_path), train_dataset=_samples(8), max_batch_size=16,
+                    local_bsz_bounds=(4, 2))
+    with pytest.raises(ValueError, match="hysteresis"):
+        trainer_cls(model=Regressor(), args=_args(tmp_path), train_dataset=_samples(8), max_batch_size=16,
+                    hysteresis=1.5)
+    with pytest.raises(ValueError, match="gradient_accumulation.*max_batch_size"):
+        trainer_cls(model=Regressor(), args=_args(tmp_path), train_dataset=_samples(8), gradient_accumulation=True)
+    trainer = trainer_cls(model=Regressor(), args=_args(tmp_path), train_dataset=_samples(8), max_batch_size=2)
+    with pytest.raises(ValueError, match="max_batch_size"):  # below the reference global batch (4)
+        trainer.train()
+
+
+def _scripted_decisions(monkeypatch, shapes: list[tuple[int, int]]) -> None:
+    """The goodput model's choices replaced by ``shapes`` in turn, one per decision (every ``adapt_every``
+    steps), so that the batch changes whatever the machine measures."""
+    from adaptive.batchsize.autoscale import BatchSizeController, Decision
+
+    choices = iter(shapes)
+
+    def propose(self, grad_params, force):
+        local, accum = next(choices, self.current())
+        return None if (local, accum) == self.current() else Decision(local, accum, 2.0, 1.0, "scripted")
+
+    monkeypatch.setattr(BatchSizeController, "_evaluation_due", lambda self: True)
+    monkeypatch.setattr(BatchSizeController, "_propose", propose)
+
+
+def test_autoscale_micro_batches_each_sample_once_and_steps_count_reference_batches(trainer_cls, tmp_path,
+                                                                                   monkeypatch):
+    """Autoscale with accumulation in one process (the batch changes as scripted): each optimizer step trains
+    the micro-batches the loader planned, every sample once per epoch, global_step counts reference batches (4
+    samples) and the scheduler steps with it; the LR factor is the scaling rule's at the step's planned size."""
+    _scripted_decisions(monkeypatch, [(4, 1), (4, 2), (2, 3), (3, 2), (4, 3), (2, 2), (4, 2)])
+    args = _args(tmp_path, num_train_epochs=3, per_device_train_batch_size=4)
+    model = Regressor()
+    trainer = trainer_cls(model=model, args=args, train_dataset=_samples(40), max_batch_size=24,
+                          local_bsz_bounds=(2, 4), gradient_accumulation=True, adapt_every=3, scaling_rule="sqrt")
+    shapes = _Shapes(trainer)
+    trainer.add_callback(shapes)
+    trainer.train()
+    records = shapes.records
+    assert trainer.state.max_steps == 30  # 10 reference steps per epoch
+    assert sum(len(indices) for indices in model.seen) == 120
+    position = 0
+    for record in records:  # the micro-batches the Trainer trained are the loader's plan
+        taken = model.seen[position:position + record["accum"]]
+        position += record["accum"]
+        assert sum(len(indices) for indices in taken) == record["size"]
+        assert all(len(indices) <= record["micro"] for indices in taken)
+        assert record["factor"] == pytest.approx((record["planned"] / 4) ** 0.5)
+        assert record["scheduler_steps"] == record["step"]
+    assert position == len(model.seen)
+    expected = _expected_lrs(args, 30)  # the schedule of 30 reference steps, at the reference step reached
+    assert [record["lr"] for record in records] == [expected[record["step"] - 1] for record in records]
+    counted = [0] + [record["step"] for record in records]  # a log at every step that passed a multiple of 2
+    logged = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged == [after for before, after in zip(counted, counted[1:]) if after // 2 > before // 2]
+    seen = [i for indices in model.seen for i in indices]
+    for epoch in range(3):
+        assert sorted(seen[40 * epoch:40 * epoch + 40]) == list(range(40))
+    assert len({(record["micro"], record["accum"]) for record in records}) > 1, records
+    assert max(record["accum"] for record in records) > 1, records
+    assert trainer.state.global_step == 30 and records[-1]["step"] == 30
+    assert len(records) < 30  # fewer optimizer steps than reference steps: larger batches
+
+
+class _UsedLR(transformers.TrainerCallback):
+    """Records the LR each optimizer step used (after the library's factors), from the optimizer itself."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        optimizer.optimizer.register_step_pre_hook(lambda opt, *_: self.lrs.append(opt.param_groups[0]["lr"]))
+
+
+def test_autoscale_steps_train_the_mean_gradient_of_their_samples(trainer_cls, tmp_path, monkeypatch):
+    """Under autoscale with accumulation, each optimizer step's update is SGD's on the mean gradient over the
+    step's samples (its micro-batches accumulated from zero, weighted by their sizes), at the LR it used:
+    replayed in plain torch from the samples each step trained, the weights are the trainer's."""
+    _scripted_decisions(monkeypatch, [(4, 2), (3, 3), (2, 2), (4, 3)])
+    # plain SGD without clipping: the update is proportional to the gradient (Adam's is not to its scale)
+    args = _args(tmp_path, num_train_epochs=2, per_device_train_batch_size=4, optim="sgd", max_grad_norm=0.0)
+    torch.manual_seed(3)
+    model = Regressor()
+    replay = Regressor()
+    replay.load_state_dict(model.state_dict())
+    data = _samples(30)
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, max_batch_size=24,
+                          local_bsz_bounds=(2, 4), gradient_accumulation=True, adapt_every=2)
+    shapes, used = _Shapes(trainer), _UsedLR()
+    trainer.add_callback(shapes)
+    trainer.add_callback(used)
+    trainer.train()
+    assert max(record["accum"] for record in shapes.records) > 1
+    assert len(used.lrs) == len(shapes.records)
+    optimizer = torch.optim.SGD(replay.parameters(), lr=1.0)
+    position = 0
+    for record, lr in zip(shapes.records, used.lrs):
+        indices = [i for micro in model.seen[position:position + record["accum"]] for i in micro]
+        position += record["accum"]
+        batch = [data[i] for i in indices]
+        x, y = torch.stack([d["x"] for d in batch]), torch.stack([d["labels"] for d in batch])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        replay(x, y)["loss"].backward()
+        optimizer.step()
+    for ours, theirs in zip(model.parameters(), replay.parameters()):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours, theirs)
+
+
+def test_autoscale_max_steps_counts_reference_batches_and_a_relaunch_trains_nothing(trainer_cls, tmp_path,
+                                                                                     monkeypatch):
+    """max_steps=7 reference steps (28 samples) with steps of 12 samples (3 reference steps) after the first:
+    training stops at the first step that reaches 7, and the job is finished there; save_steps=3 saves at the
+    steps that pass a multiple of 3 (and at the end), each Trainer checkpoint with the library's state."""
+    _scripted_decisions(monkeypatch, [(4, 3)])
+    args = _args(tmp_path, max_steps=7, per_device_train_batch_size=4, save_strategy="steps", save_steps=3)
+    model = Regressor()
+    trainer = trainer_cls(model=model, args=args, train_dataset=_samples(40), max_batch_size=12,
+                          local_bsz_bounds=(2, 4), gradient_accumulation=True, adapt_every=1)
+    shapes = _Shapes(trainer)
+    trainer.add_callback(shapes)
+    trainer.train()
+    assert [(record["step"], record["size"]) for record in shapes.records] == [(1, 4), (4, 12), (7, 12)]
+    assert sum(len(indices) for indices in model.seen) == 28 and adaptive.training_finished()
+    assert [record["scheduler_steps"] for record in shapes.records] == [1, 4, 7]
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0  # the linear decay ended where training ended
+    saved = sorted(path.name for path in (tmp_path / "trainer").glob("checkpoint-*"))
+    assert saved == ["checkpoint-4", "checkpoint-7"], saved
+    assert all((tmp_path / "trainer" / name / "adaptive").is_dir() for name in saved)
+
+    restart_process_state()
+    _reset_accelerate()
+    model = Regressor()
+    trainer = trainer_cls(model=model, args=_args(tmp_path, max_steps=7, per_device_train_batch_size=4),
+                          train_dataset=_samples(40), max_batch_size=12, local_bsz_bounds=(2, 4),
+                          gradient_accumulation=True, adapt_every=1)
+    output = trainer.train()
+    assert model.seen == [] and output.global_step == 7
+
+
+def test_autoscale_with_a_causal_lm_counts_the_items_and_tokens_of_every_micro_batch(trainer_cls, tmp_path,
+                                                                                     monkeypatch):
+    """GPT-2 (random init, takes num_items_in_batch) under autoscale with accumulation: each micro-batch's loss is
+    normalised by its own label count, and the Trainer's token and FLO counters see every micro-batch."""
+    _scripted_decisions(monkeypatch, [(2, 3), (4, 2)])
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": (ids := torch.randint(0, 64, (8,), generator=generator)), "labels": ids.clone()}
+               for _ in range(24)]
+    items = []
+    original = transformers.Trainer.compute_loss
+
+    def recorded(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        items.append((int(num_items_in_batch), inputs["labels"].numel()))  # (the Trainer counts every label)
+        return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    monkeypatch.setattr(transformers.Trainer, "compute_loss", recorded)
+    trainer = trainer_cls(model=model, args=_args(tmp_path, num_train_epochs=2, learning_rate=1e-3,
+                                                  include_num_input_tokens_seen="all"),
+                          train_dataset=samples, max_batch_size=16, local_bsz_bounds=(2, 4),
+                          gradient_accumulation=True, adapt_every=2)
+    shapes = _Shapes(trainer)
+    trainer.add_callback(shapes)
+    trainer.train()
+    assert max(record["accum"] for record in shapes.records) > 1
+    assert sum(record["accum"] for record in shapes.records) == len(items)  # every micro-batch's loss
+    assert all(found == labels for found, labels in items), items  # its own items (one process)
+    assert trainer.state.num_input_tokens_seen == 2 * 24 * 8  # every micro-batch's tokens, each sample twice
+    assert trainer.state.total_flos == pytest.approx(2 * 24 * 8 * 6 * model.num_parameters(exclude_embeddings=True))
+    assert all(entry["loss"] > 0 for entry in trainer.state.log_history if "loss" in entry)
+
+
+AUTOSCALE_WORKER = REPO / "tests" / "workers" / "trainer_autoscale_worker.py"
+# per_device 2 x 2 processes: reference batch 4; 192 samples, 2 epochs: 48 reference steps per epoch, 96 in all
+AS_SAMPLES, AS_BATCH, AS_EPOCHS, AS_REFERENCE = 192, 2, 2, 4
+AS_TOTAL = AS_EPOCHS * AS_SAMPLES // AS_REFERENCE
+
+
+def _autoscale_steps(out) -> list[list[dict]]:
+    """The step records of every launch, in order: one list per optimizer step, of every process's record."""
+    by_step: dict[int, dict[int, dict]] = {}
+    for rank_file in sorted(out.glob("steps.rank*.jsonl")):
+        rank = int(rank_file.name.split(".")[1][len("rank"):])
+        for record in read_jsonl(rank_file):
+            assert rank not in by_step.setdefault(record["step"], {}), ("a step counted twice", record)
+            by_step[record["step"]][rank] = record
+    return [[records[rank] for rank in sorted(records)] for _, records in sorted(by_step.items())]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scripted", [
+    # the goodput model's own choices follow timings (20-45 s here): the slow sample; scripted ones: every run
+    pytest.param("", id="goodput-model", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
+    pytest.param("2x2,4x2,2x3,4x4,3x2,4x3", id="scripted")])
+def test_autoscale_sigterm_on_2_processes_resume_on_3_keeps_the_counters_exact(jobs, tmp_path, scripted):
+    """AdaptiveTrainer(max_batch_size=32, local_bsz_bounds=(1, 4), gradient_accumulation=True) on 2 processes,
+    stopped by SIGTERM and resumed on 3.  From the processes' step records: the goodput model changes the local
+    batch and accumulation steps during the run; each optimizer step trains the micro-batches the loader planned
+    (its global batch over all processes, micro-batch by micro-batch); every sample once per epoch; global_step
+    counts reference batches of samples (floor(samples / 4)), the LR schedule steps with it to where training
+    ends, and the LR factor is the scaling rule's (AdamW: the square root of the measured gain).  "scripted":
+    the goodput model's decisions replaced by a script of local batches and accumulation steps (every
+    ``adapt_every`` steps), so that the accumulation steps change whatever the machine measures."""
+    out = tmp_path / "autoscale"
+    log2, log3 = out / "job2.log", out / "job3.log"
+    started = time.time()
+    knobs = dict(ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAMPLES=str(AS_SAMPLES), WORKER_BATCH=str(AS_BATCH),
+                 WORKER_EPOCHS=str(AS_EPOCHS), WORKER_LOCAL_MAX="4", WORKER_SCRIPTED=scripted)
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=AUTOSCALE_WORKER,
+                       WORKER_STEP_SLEEP="0.3", **knobs)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 20, 90, "2 processes to take 20 reference steps")
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert wait_exit(proc, 60, log2) == 143, tail(log2)
+    assert exit_codes(out, started) == [143, 143], tail(log2)
+    stopped = progress(out, 0)
+    assert 20 <= stopped["step"] < AS_TOTAL, stopped
+
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], out, "job3.log", script=AUTOSCALE_WORKER,
+                       WORKER_STEP_SLEEP="0.02", **knobs)
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+    assert f"AdaptiveTrainer resumes at global step {stopped['step']}," in log3.read_text(), tail(log3)
+
+    steps = _autoscale_steps(out)
+    expected_lrs = _expected_lrs(transformers.TrainingArguments(
+        output_dir=str(tmp_path / "unused"), learning_rate=0.05, lr_scheduler_type="linear", warmup_steps=3),
+        AS_TOTAL)
+    samples, shapes, factors = [], set(), []
+    for records in steps:
+        first = records[0]
+        world = first["world"]
+        assert len(records) == world == (2 if first["step"] <= stopped["step"] else 3), records
+        assert all(record["step"] == first["step"] and record["accum"] == first["accum"]
+                   and record["size"] == first["size"] for record in records), records
+        # the step the loader planned, micro-batch by micro-batch, on every process
+        local = first["micro"] // world
+        for record in records:
+            assert len(record["micro_batches"]) == first["accum"], record
+            assert all(len(micro) <= local for micro in record["micro_batches"]), record
+        fresh = [i for record in records for micro, padding in zip(record["micro_batches"], record["padding"])
+                 if not padding for i in micro]  # (a micro-batch that repeats a sample at an epoch's end: not)
+        assert len(fresh) == first["size"] and first["planned"] == first["micro"] * first["accum"], records
+        samples += fresh
+        shapes.add((world, local, first["accum"]))
+        # the Trainer counts reference batches: the steps follow the samples (192 is a multiple of 4)
+        assert first["step"] == len(samples) // AS_REFERENCE, (first, len(samples))
+        assert first["epoch"] == pytest.approx(len(samples) / AS_SAMPLES)
+        assert first["max_steps"] == AS_TOTAL
+        for record in records:
+            assert record["scheduler_steps"] == record["step"], record  # the schedule in reference steps
+            assert record["lr"] == expected_lrs[record["step"] - 1], record
+            # the LR factor of the step is the scaling rule's (AdamW: adamscale, sqrt(gain)), 1 <= gain <= scale
+            assert record["factor"] == pytest.approx(record["gain"] ** 0.5), record
+            assert 1.0 <= record["gain"] <= first["planned"] / AS_REFERENCE + 1e-9, record
+        factors.append(first["factor"])
+    for epoch in range(AS_EPOCHS):
+        assert sorted(samples[epoch * AS_SAMPLES:(epoch + 1) * AS_SAMPLES]) == list(range(AS_SAMPLES)), epoch
+    assert len(samples) == AS_EPOCHS * AS_SAMPLES
+    # the goodput model changed the local batch or the accumulation steps (both, with a scripted model, in
+    # test_autoscale_micro_batches_each_sample_once_and_steps_count_reference_batches), and the LR with them
+    assert len({shape[1:] for shape in shapes}) > 1, shapes
+    assert max(factors) > 1.0, (shapes, factors)
+    if scripted:
+        assert len({shape[2] for shape in shapes}) > 1 and len({shape[1] for shape in shapes}) > 1, shapes
+    assert {shape[0] for shape in shapes} == {2, 3}
+    done = json.loads((out / "done.json").read_text())
+    assert (done["global_step"], done["epoch"], done["world"]) == (AS_TOTAL, 2.0, 3), done
+    assert done["loader_step"] == len(steps) < AS_TOTAL  # fewer optimizer steps than reference steps

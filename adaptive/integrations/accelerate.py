@@ -47,6 +47,10 @@ What the accelerator takes over, and why:
   ``gradient_accumulation_steps`` reports the loader's plan; ``backward``
   does not divide the loss, because the model wrapper already averages the
   gradient over replicas and micro-steps (as in a plain script).
+  ``autoscale_batch_size(...)`` on a prepared loader works as in a plain
+  script: the loader's plan of micro-steps changes as the goodput model
+  decides, and ``accumulate``, ``sync_gradients`` and
+  ``gradient_accumulation_steps`` follow each step's plan.
 * **Metrics.**  :meth:`AdaptiveAccelerator.gather_for_metrics` inside the
   loop of an ``AdaptiveDataLoader`` returns every sample of the step once,
   in the loader's global order, dropping the micro-batches that only

@@ -42,6 +42,15 @@ and why:
 * **Trainer state.**  ``global_step``, ``epoch``, the log history, the FLOs
   and the best metric are checkpointed too and restored before training
   resumes: ``TrainerState`` carries on as if the job had never stopped.
+* **Autoscale** (``max_batch_size=``, with the other arguments of
+  :meth:`adaptive.AdaptiveDataLoader.autoscale_batch_size`): the loader
+  chooses the micro-batch size and accumulation steps from the goodput
+  model; the Trainer still takes one batch per optimizer step, whose
+  micro-batches :meth:`AdaptiveTrainer.training_step` trains in turn, and
+  its steps (``global_step``, ``max_steps``, warm-up, decay, intervals)
+  count reference batches so that they follow the samples
+  (:mod:`adaptive.integrations._trainer_autoscale`); the model wrapper's
+  scaling rule scales the LR on top of the schedule.
 * **Epochs.**  The Trainer's epochs are the library's
   (:func:`adaptive.remaining_epochs_until`); a callback ends each epoch's
   loader pass and, when training ends, checkpoints the job as finished
@@ -72,6 +81,7 @@ cached device set-up of ``TrainingArguments`` is reset in
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 from typing import Any
@@ -91,6 +101,8 @@ import torch.utils.data
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch as epochs
 from adaptive.integrations import _trainer_checkpoint as checkpoints
+from adaptive.integrations._trainer_autoscale import (AutoscaleSettings, OptimizerSteps, StepBatch, reference_steps,
+                                                      settings_from)
 from adaptive.integrations._accelerate_wrappers import follow_job_membership
 from adaptive.integrations._epoch_passes import EpochPasses
 from adaptive.integrations._trainer_data import (ORDERS, RECORD_STATE_NAME, TrainerRecord,
@@ -155,6 +167,29 @@ _check_transformers_version()
 _join_live_job()
 
 
+def _flag_crossed_intervals(args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                            before: int) -> None:
+    """Flag the logging, evaluation and save intervals that ``global_step`` passed since ``before``.
+
+    The Trainer's ``DefaultFlowCallback`` (after this one) flags exact
+    multiples only; an autoscaled step may advance the count by several.
+    """
+    after = state.global_step
+
+    def crossed(every: Any) -> bool:
+        every = int(every or 0)
+        return every > 0 and after // every > before // every
+
+    if args.logging_first_step and before < 1 <= after:
+        control.should_log = True
+    if args.logging_strategy == "steps" and crossed(state.logging_steps):
+        control.should_log = True
+    if args.eval_strategy == "steps" and crossed(state.eval_steps) and args.eval_delay <= after:
+        control.should_evaluate = True
+    if args.save_strategy == "steps" and crossed(state.save_steps):
+        control.should_save = True
+
+
 class _ElasticProgress(TrainerCallback):
     """Keeps ``TrainerState.epoch`` on the library's epochs and ends the loader's passes with the Trainer's."""
 
@@ -173,6 +208,8 @@ class _ElasticProgress(TrainerCallback):
             # the epoch and the share of its samples taken, at any world size (the Trainer's own count
             # restarts at every relaunch)
             state.epoch = current + min(1.0, step.position / samples)
+        if step is not None and self.trainer._adaptive_autoscale is not None:
+            self.trainer._follow_reference_steps(step, current, state, control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -212,10 +249,40 @@ class AdaptiveTrainer(Trainer):
     steps) and, without CUDA, ``use_cpu=True``; the argument given is left
     as it is, and ``gradient_accumulation_steps`` given there sizes the
     global batch.
+
+    Keyword-only arguments (besides the Trainer's):
+
+    * ``max_batch_size``: turns autoscale on: the largest global batch
+      (samples over all processes and micro-batches), at least the
+      reference global batch (the first launch's
+      ``per_device_train_batch_size`` x processes x
+      ``gradient_accumulation_steps``).  The loader then chooses the
+      micro-batch size and accumulation steps that maximise goodput
+      (:meth:`adaptive.AdaptiveDataLoader.autoscale_batch_size`), the model
+      wrapper's scaling rule scales the LR on top of the Trainer's schedule,
+      and the Trainer's steps (``global_step``, ``max_steps``, warm-up,
+      decay, logging, evaluation and save intervals) count reference
+      batches, so that they follow the samples.
+    * ``local_bsz_bounds``, ``gradient_accumulation``, ``adapt_every``,
+      ``hysteresis``: as in ``autoscale_batch_size`` (only with
+      ``max_batch_size``).
+    * ``scaling_rule``: the model wrapper's LR scaling rule
+      (:class:`~adaptive.AdaptiveDataParallel`; default: AdaScale for SGD,
+      its square root for Adam-like optimizers).
+
+    Raises:
+        ValueError: an autoscale setting out of range, or given without
+            ``max_batch_size`` (naming the argument).
     """
 
-    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *more: Any,
+                 max_batch_size: int | None = None, local_bsz_bounds: tuple[int, int] | None = None,
+                 gradient_accumulation: bool = False, adapt_every: int = 20, hysteresis: float = 0.05,
+                 scaling_rule: Any = None, **kwargs: Any) -> None:
         _check_trainer_internals()
+        self._adaptive_autoscale: AutoscaleSettings | None = settings_from(
+            max_batch_size, local_bsz_bounds, gradient_accumulation, adapt_every, hysteresis)
+        self._adaptive_scaling_rule = scaling_rule
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         if not isinstance(args, TrainingArguments):
@@ -232,6 +299,7 @@ class AdaptiveTrainer(Trainer):
         _reset_device_setup(args)
         self._adaptive_record: TrainerRecord | None = None
         self._adaptive_epochs: EpochPasses | None = None
+        self._adaptive_steps: OptimizerSteps | None = None  # what the Trainer iterates under autoscale
         self._adaptive_trained = False
         super().__init__(model, args, *more, **kwargs)
         if args.n_gpu > 1:
@@ -286,11 +354,17 @@ class AdaptiveTrainer(Trainer):
         removed as it removes them), shuffled with ``data_seed`` (else
         ``seed``) for ``train_sampling_strategy="random"``, in order for
         ``"sequential"``; ``dataloader_drop_last``, workers and pinning as
-        the arguments say.
+        the arguments say.  Under autoscale (``max_batch_size=``) the loader
+        autoscales, and the Trainer iterates its optimizer steps
+        (:class:`~adaptive.integrations._trainer_autoscale.OptimizerSteps`,
+        whose ``loader`` is the ``AdaptiveDataLoader``).
 
         Raises:
-            ValueError: no ``train_dataset``, or an ``IterableDataset``.
+            ValueError: no ``train_dataset``, or an ``IterableDataset``;
+                ``max_batch_size`` below the reference global batch.
         """
+        if self._adaptive_steps is not None:
+            return self._adaptive_steps
         if self._adaptive_epochs is not None:
             return self._adaptive_epochs
         if self.train_dataset is None:
@@ -303,7 +377,7 @@ class AdaptiveTrainer(Trainer):
         record = TrainerRecord(torch.distributed.get_world_size(), args.per_device_train_batch_size,
                                 self._adaptive_accumulation)
         self._adaptive_record = record
-        if record.accumulation > 1 and env.rank() == 0:
+        if record.accumulation > 1 and self._adaptive_autoscale is None and env.rank() == 0:
             logger.warning("gradient_accumulation_steps=%d: each optimizer step is one micro-batch of the global "
                            "batch %d per process (%d samples per process on %d processes), not %d micro-batches "
                            "of %d", record.accumulation, record.global_batch,
@@ -320,6 +394,13 @@ class AdaptiveTrainer(Trainer):
         loader = AdaptiveDataLoader(plain.dataset, batch_size=record.global_batch,
                                     shuffle=ORDERS[sampling_strategy(args)], seed=seed,
                                     drop_last=bool(args.dataloader_drop_last), name=LOADER_NAME, **options)
+        if self._adaptive_autoscale is not None:
+            self._adaptive_autoscale.apply(loader)  # (checks max_batch_size against the reference batch)
+            if env.rank() == 0:
+                logger.info("autoscale on: global batch up to %d, local batch bounds %s, gradient accumulation %s; "
+                            "the Trainer's steps count reference batches of %d samples",
+                            self._adaptive_autoscale.max_batch_size, self._adaptive_autoscale.local_bsz_bounds,
+                            self._adaptive_autoscale.gradient_accumulation, record.global_batch)
         if env.rank() == 0:
             logger.info("training data -> AdaptiveDataLoader %s: global batch %d (%d per device x %d processes x "
                         "%d accumulation steps of the first launch), %d steps per epoch", loader.name,
@@ -329,7 +410,10 @@ class AdaptiveTrainer(Trainer):
             # (the Trainer stops training at an epoch without a batch)
             early_end="the Trainer ended an epoch before the elastic loader did (should_epoch_stop); stop training "
                       "instead (should_training_stop)")
-        return self._adaptive_epochs
+        if self._adaptive_autoscale is None:
+            return self._adaptive_epochs
+        self._adaptive_steps = OptimizerSteps(self._adaptive_epochs, lambda: record.global_batch)
+        return self._adaptive_steps
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """The global batch of an optimizer step: the first launch's, at any world size."""
@@ -365,6 +449,8 @@ class AdaptiveTrainer(Trainer):
             kwargs.update(device_ids=[device.index], output_device=device.index)
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"AdaptiveTrainer trains a torch.nn.Module, got {type(self.model).__name__}")
+        if self._adaptive_scaling_rule is not None:
+            kwargs["scaling_rule"] = self._adaptive_scaling_rule
         wrapped = AdaptiveDataParallel(self.model, self.optimizer, self.lr_scheduler, self.accelerator.scaler,
                                        **kwargs)
         self._restore_trainer_state()
@@ -411,8 +497,119 @@ class AdaptiveTrainer(Trainer):
             return 1.0
         if data.loader.is_padding or step.num_samples == 0:
             return 0.0
-        # the processes now (under adaptive-run --live the Trainer's world_size is the one it was built with)
-        return len(step.indices[micro[0]]) * torch.distributed.get_world_size() / step.num_samples
+        # the processes now (under adaptive-run --live the Trainer's world_size is the one it was built with); the
+        # model wrapper averages the gradient over the processes and the step's micro-batches
+        return len(step.indices[micro[0]]) * torch.distributed.get_world_size() * micro[1] / step.num_samples
+
+    # ------------------------------------------------------------------ autoscale
+
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple[Any, ...]:
+        """The Trainer's epoch and step arithmetic; under autoscale an epoch's optimizer steps are unknown ahead.
+
+        ``max_steps`` and the epochs follow from the reference steps of an
+        epoch (``len(dataloader)``); the Trainer's loop over an epoch's
+        steps is given the epoch's sample count as its bound (a step takes
+        at least one sample), and :meth:`get_batch_samples` ends the epoch
+        when the loader's pass is over.
+        """
+        values = list(super().set_initial_training_values(args, dataloader))
+        if isinstance(dataloader, OptimizerSteps):
+            values[1] = max(int(values[1] or 0), dataloader.loader.sampler.num_samples)  # num_update_steps_per_epoch
+        return tuple(values)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
+        """The next optimizer step's batch; under autoscale one :class:`StepBatch`, and the epoch's end.
+
+        Under autoscale the items of a step's loss (``num_items_in_batch``)
+        are counted per micro-batch in :meth:`training_step`, since the
+        micro-batches are drawn one at a time; when the loader's pass is
+        over the Trainer's epoch ends (``should_epoch_stop``), as no step
+        count is known ahead.
+        """
+        if self._adaptive_steps is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = [batch for batch in itertools.islice(epoch_iterator, num_batches)]
+        if not batches:
+            self.control.should_epoch_stop = True
+        return batches, None
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's training step; under autoscale on every micro-batch of the optimizer step in turn.
+
+        Each micro-batch is drawn from the loader when the previous one was
+        trained (the model wrapper synchronises gradients on the last one
+        only), its loss items counted by the Trainer's own
+        :meth:`get_batch_samples`.  Gradients are zeroed before the first
+        (the Trainer's ``zero_grad`` after the previous step ran while that
+        step's last micro-batch was published, when the wrapper keeps
+        accumulated gradients).  Returns the step's mean loss times the
+        reference steps it advances the Trainer by, so that the loss the
+        Trainer logs (summed, over the steps counted) is a mean over samples.
+        """
+        if not isinstance(inputs, StepBatch):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.zero_grad()
+        total: torch.Tensor | None = None
+        counted = self._counted_inputs()
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in counted}
+        for micro in inputs.micro_batches():
+            _, items = super().get_batch_samples(iter([micro]), 1, self.args.device)
+            inputs.flos += float(super().floating_point_ops(micro))
+            for key in counted:
+                if isinstance(micro, dict) and isinstance(micro.get(key), torch.Tensor):
+                    parts[key].append(micro[key].detach())
+            loss = super().training_step(model, micro, items)
+            total = loss if total is None else total + loss
+        inputs.keep_counts(parts)
+        assert total is not None
+        return total / inputs.count * self._reference_steps_taken()
+
+    def floating_point_ops(self, inputs: Any) -> Any:
+        """The Trainer's FLO estimate; for a :class:`StepBatch` the sum over its micro-batches."""
+        if isinstance(inputs, StepBatch):
+            return inputs.flos
+        return super().floating_point_ops(inputs)
+
+    def _counted_inputs(self) -> tuple[str, ...]:
+        """The inputs the Trainer counts tokens with (``include_num_input_tokens_seen``), if it counts them."""
+        if str(getattr(self.args, "include_num_input_tokens_seen", "no")) in ("no", "False", "false"):
+            return ()
+        return (getattr(self.model, "main_input_name", "input_ids"), "attention_mask")
+
+    def _reference_after(self, step: Any, epoch: int | None, before: int) -> int:
+        """The Trainer's step count once ``step`` is taken, ``before`` it: at least one more (see
+        :mod:`adaptive.integrations._trainer_autoscale`)."""
+        record, data = self._adaptive_record, self._adaptive_epochs
+        assert record is not None and data is not None
+        return max(before + 1, reference_steps(data.loader, record.global_batch, epoch or 0, step.position))
+
+    def _reference_steps_taken(self) -> int:
+        """How many reference steps the optimizer step being trained advances the Trainer by."""
+        data = self._adaptive_epochs
+        step = None if data is None else data.loader.current_step
+        if step is None:
+            return 1
+        before = self.state.global_step
+        return self._reference_after(step, epochs.current_epoch(), before) - before
+
+    def _follow_reference_steps(self, step: Any, epoch: int | None, state: TrainerState,
+                                control: TrainerControl) -> None:
+        """After an optimizer step (the Trainer counted one): count the reference steps it took instead.
+
+        The LR scheduler, which the Trainer stepped once, is stepped for the
+        others, and the logging, evaluation and save intervals crossed are
+        flagged (the Trainer's own checks look for exact multiples).
+        """
+        before = state.global_step - 1
+        state.global_step = self._reference_after(step, epoch, before)
+        extra = state.global_step - before - 1
+        scheduler = self.lr_scheduler
+        per_step = not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and \
+            type(scheduler).__name__ != "GreedyLR"
+        if extra > 0 and scheduler is not None and per_step and not self.accelerator.optimizer_step_was_skipped:
+            for _ in range(extra):
+                scheduler.step()
+        _flag_crossed_intervals(self.args, state, control, before)
 
     # ------------------------------------------------------------------ TrainerState
 

@@ -21,6 +21,10 @@ Environment knobs:
                         transformers' *_no_trainer scripts count --max_train_steps (default 0: no limit)
     WORKER_SAVE_EVERY   accelerator.save_state(WORKER_OUT/saved) every this many steps (default 0: never)
     WORKER_LOAD_FROM    accelerator.load_state(this folder) after prepare, as --resume_from_checkpoint does
+    WORKER_AUTOSCALE    "MAX,LO,HI": train_loader.autoscale_batch_size(MAX, local_bsz_bounds=(LO, HI),
+                        gradient_accumulation=True, adapt_every=2) on the prepared loader (default: off)
+    WORKER_SCRIPTED     with WORKER_AUTOSCALE, "4x1,2x3,...": the goodput model's decisions replaced by these
+                        (local batch x accumulation steps), one per decision (default: the model decides)
 
 Every rank rewrites ``progress.rank<R>.json`` after every step (pid, epoch,
 loader step, world); rank 0 appends each step's planned global batch and actual size to
@@ -43,7 +47,7 @@ import torch
 import adaptive
 from adaptive.integrations.accelerate import AdaptiveAccelerator
 from adaptive.runtime import membership
-from worker_common import append_jsonl, regression_dataset, run_main, write_json
+from worker_common import append_jsonl, regression_dataset, run_main, script_decisions, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "96"))
@@ -57,6 +61,8 @@ DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
 MAX_STEPS = int(os.environ.get("WORKER_MAX_STEPS", "0"))
 SAVE_EVERY = int(os.environ.get("WORKER_SAVE_EVERY", "0"))
 LOAD_FROM = os.environ.get("WORKER_LOAD_FROM")
+AUTOSCALE = os.environ.get("WORKER_AUTOSCALE", "")
+SCRIPTED = os.environ.get("WORKER_SCRIPTED", "")
 
 
 def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
@@ -74,6 +80,12 @@ def main() -> None:
     eval_loader = torch.utils.data.DataLoader(dataset(EVAL, 2), batch_size=2)
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
+    if AUTOSCALE:
+        largest, lo, hi = (int(n) for n in AUTOSCALE.split(","))
+        if SCRIPTED:
+            script_decisions(SCRIPTED)
+        train_loader.autoscale_batch_size(largest, local_bsz_bounds=(lo, hi), gradient_accumulation=True,
+                                          adapt_every=2)
     counts = adaptive.Accumulator()
     if LOAD_FROM:
         accelerator.load_state(LOAD_FROM)
@@ -104,7 +116,9 @@ def main() -> None:
                 append_jsonl(os.path.join(OUT, "steps.jsonl"), {
                     "step": train_loader.step, "world": world, "planned": step.planned_size, "size": step.size,
                     "batch_size": train_loader.batch_size, "sync": accelerator.sync_gradients, "local": len(index),
-                    "accumulation": accelerator.gradient_accumulation_steps,
+                    "accumulation": accelerator.gradient_accumulation_steps, "micro_step": train_loader.micro_step,
+                    "rule_factor": model.scaling_rule.last_factor, "gain": model.scaling_rule.last_gain,
+                    "lr": optimizer.param_groups[0]["lr"],
                     "completed": completed_steps, "samples": accelerator.samples_seen})
             write_json(os.path.join(OUT, f"progress.rank{rank}.json"), {
                 "pid": os.getpid(), "epoch": epoch, "step": train_loader.step, "world": world,

@@ -210,3 +210,34 @@ def run_main(main, out, rank, log_name=None) -> None:
     finally:
         append_jsonl(os.path.join(out, log_name or f"exits.rank{rank}.jsonl"), {"pid": os.getpid(), "code": code,
                                                                                 "time": time.time()})
+
+
+def script_decisions(shapes: str) -> None:
+    """Replace the goodput model's choices by ``shapes`` in turn ("LOCALxACCUM,..."; then it keeps the last),
+    evaluated at every chance: batch-size changes the tests choose instead of timings."""
+    from adaptive.batchsize.autoscale import BatchSizeController, Decision
+
+    choices = iter([tuple(int(n) for n in shape.split("x")) for shape in shapes.split(",")])
+
+    def propose(self, grad_params, force):
+        local, accum = next(choices, self.current())
+        return None if (local, accum) == self.current() else Decision(local, accum, 2.0, 1.0, "scripted")
+
+    BatchSizeController._evaluation_due = lambda self: True
+    BatchSizeController._propose = propose
+
+
+class TrainerRegressor(torch.nn.Module):
+    """A linear model with the Hugging Face Trainer's calling convention (a dict with the loss); ``seen`` logs
+    the sample indices of each training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.seen: list[list[int]] = []
+
+    def forward(self, x, labels=None, index=None):
+        prediction = self.linear(x).squeeze(-1)
+        if torch.is_grad_enabled() and index is not None:
+            self.seen.append(index.tolist())
+        return {"loss": torch.nn.functional.mse_loss(prediction, labels), "logits": prediction}
