@@ -460,7 +460,8 @@ def test_stop_on_2_processes_resume_on_3_keeps_the_global_batch_and_ends_with_th
     out = tmp_path / "accelerate"
     log2, log3 = out / "job2.log", out / "job3.log"
     started = time.time()
-    job = dict(_JOB, WORKER_BATCH="3", WORKER_ACCUMULATION="2")  # 3 per process x 2 processes x 2 micro-batches
+    # 3 per process x 2 processes x 2 micro-batches; a DataLoader worker per loader
+    job = dict(_JOB, WORKER_BATCH="3", WORKER_ACCUMULATION="2", WORKER_LOADER_WORKERS="1")
     proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER,
                        ADAPTIVE_CHECKPOINT_INTERVAL="0", WORKER_SAVE_EVERY="5", **job)
     # (well before epoch 0's last step, 7: a stop in the evaluation loop resumes it at its next batch, and the

@@ -16,6 +16,7 @@ Environment knobs:
     WORKER_SLEEP_UNTIL  a path: the steps sleep only until that file exists (a test slows the job down while it
                         acts on it, then lets it run at full speed)
     WORKER_ACCUMULATION gradient_accumulation_steps of the AdaptiveAccelerator (default 1)
+    WORKER_LOADER_WORKERS DataLoader workers of both loaders (persistent; default 0: none)
     WORKER_DTYPE        dtype of the model and data: float32 (default) or float64 (exact comparisons)
     WORKER_MAX_STEPS    stop after this many optimizer steps, counted from accelerator.completed_steps as
                         transformers' *_no_trainer scripts count --max_train_steps (default 0: no limit)
@@ -55,6 +56,7 @@ EVAL = int(os.environ.get("WORKER_EVAL", "10"))
 BATCH = int(os.environ.get("WORKER_BATCH", "4"))
 EPOCHS = int(os.environ.get("WORKER_EPOCHS", "3"))
 STEP_SLEEP = float(os.environ.get("WORKER_STEP_SLEEP", "0.1"))
+LOADER_WORKERS = int(os.environ.get("WORKER_LOADER_WORKERS", "0"))
 SLEEP_UNTIL = os.environ.get("WORKER_SLEEP_UNTIL")
 ACCUMULATION = int(os.environ.get("WORKER_ACCUMULATION", "1"))
 DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
@@ -76,8 +78,11 @@ def main() -> None:
     model = torch.nn.Linear(4, 1).to(DTYPE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    train_loader = torch.utils.data.DataLoader(dataset(SAMPLES, 1), batch_size=BATCH, shuffle=True)
-    eval_loader = torch.utils.data.DataLoader(dataset(EVAL, 2), batch_size=2)
+    workers = {"num_workers": LOADER_WORKERS, "persistent_workers": True} if LOADER_WORKERS else {}
+    with accelerator.main_process_first():  # (transformers' scripts map their datasets here: a barrier on each side)
+        train_set, eval_set = dataset(SAMPLES, 1), dataset(EVAL, 2)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=BATCH, shuffle=True, **workers)
+    eval_loader = torch.utils.data.DataLoader(eval_set, batch_size=2, **workers)
     model, optimizer, train_loader, eval_loader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, lr_scheduler)
     if AUTOSCALE:
