@@ -376,6 +376,213 @@ def test_ckpt_path_last_on_every_launch_never_rolls_back(job, monkeypatch):
     torch.testing.assert_close(module.net.weight.detach(), reference.net.weight.detach(), rtol=0, atol=1e-12)
 
 
+# ---------------------------------------------------------------------- autoscale
+
+
+def _script_decisions(monkeypatch, shapes, every=1):
+    """The goodput model's choices replaced by ``shapes`` ((local batch, accumulation steps)): after the loader's
+    step ``n`` it chooses ``shapes[n // every % len(shapes)]``, batch-size changes the test chooses instead of
+    timings.  (A resume makes no decision at its first step boundary, as the library does: a resume at a
+    multiple of ``every`` keeps the shape it restored.)"""
+    from adaptive.batchsize.autoscale import BatchSizeController, Decision
+    from adaptive.data.dataloader import current_dataloader
+
+    def propose(self, grad_params, force):
+        local, accum = shapes[current_dataloader().step // every % len(shapes)]
+        return None if (local, accum) == self.current() else Decision(local, accum, 2.0, 1.0, "scripted")
+
+    monkeypatch.setattr(BatchSizeController, "_evaluation_due", lambda self: True)
+    monkeypatch.setattr(BatchSizeController, "_propose", propose)
+
+
+class _AutoscaleModule(_Module):
+    """Records, per micro-batch, the loader's plan and Lightning's view of it, and per optimizer step the LR used."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.micro: list[dict] = []
+        self.lrs: list[dict] = []
+        self.validated: list[tuple[int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        loader = self.trainer.strategy.train_loader
+        step = loader.current_step
+        self.micro.append(dict(epoch=self.trainer.current_epoch, global_step=self.trainer.global_step,
+                               micro=loader.micro_step, accumulate=self.trainer.accumulate_grad_batches,
+                               size=step.size, planned=step.planned_size, position=step.position,
+                               indices=batch[2].tolist(), batches=self.trainer.num_training_batches,
+                               batch_idx=batch_idx,
+                               weights=[p.detach().flatten().tolist() for p in self.net.parameters()]))
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        wrapper = self.trainer.strategy.model
+        self.lrs.append(dict(global_step=self.trainer.global_step, used=optimizer.param_groups[0]["lr"],
+                             scheduled=scheduler.get_last_lr()[0], last_epoch=scheduler.last_epoch,
+                             factor=wrapper.scaling_rule.last_factor))
+
+    def on_validation_epoch_end(self):
+        self.validated.append((self.trainer.current_epoch, self.trainer.global_step))
+
+    def configure_optimizers(self):
+        self.estimated = self.trainer.estimated_stepping_batches  # (sets up the training data)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _autoscale_strategy(**kwargs):
+    from adaptive.integrations.lightning import AdaptiveStrategy
+
+    options = dict(autoscale_batch_size=24, local_bsz_bounds=(1, 8), gradient_accumulation=True,
+                   scaling_rule="linear", adapt_every=1)
+    options.update(kwargs)
+    return AdaptiveStrategy(**options)
+
+
+def test_autoscale_arguments_are_checked_by_the_librarys_validator_naming_the_argument():
+    from adaptive.integrations.lightning import AdaptiveStrategy
+
+    with pytest.raises(ValueError, match="autoscale_batch_size must be an integer"):
+        AdaptiveStrategy(autoscale_batch_size=0)
+    with pytest.raises(ValueError, match=r"local_bsz_bounds\[1\] must be an integer"):
+        AdaptiveStrategy(autoscale_batch_size=16, local_bsz_bounds=(4, 2))
+    with pytest.raises(ValueError, match="hysteresis"):
+        AdaptiveStrategy(autoscale_batch_size=16, hysteresis=1.5)
+    with pytest.raises(ValueError, match="adapt_every"):
+        AdaptiveStrategy(autoscale_batch_size=16, adapt_every=0)
+    with pytest.raises(ValueError, match="gradient_accumulation only apply with autoscale"):
+        AdaptiveStrategy(gradient_accumulation=True)
+
+
+def test_autoscale_below_the_reference_batch_is_refused_naming_it(job):
+    with pytest.raises(ValueError, match="autoscale_batch_size must be an integer >= 8"):
+        _trainer(strategy=_autoscale_strategy(autoscale_batch_size=6)).fit(_Module(batch_size=8))
+
+
+def test_autoscale_accumulation_follows_the_loaders_plan_and_the_schedule_follows_samples(job, monkeypatch):
+    """Scripted decisions change the micro-batch and accumulation steps during epochs (one process, reference
+    batch 4): Lightning steps the optimizer on the last micro-batch of every planned step only (its
+    accumulate_grad_batches is the step's micro-batches), global_step counts optimizer steps, each step trains the
+    loader's planned samples, every sample once per epoch, the epoch's validation runs once at its end, the LR
+    scheduler counts reference steps (samples / 4) and the LR used is the schedule's times the linear rule's
+    factor (step size / 4); each step is SGD on the mean gradient of its samples."""
+    shapes = [(2, 1), (4, 2), (3, 3), (8, 1), (2, 2), (5, 1), (6, 2)]
+    _script_decisions(monkeypatch, shapes)
+    module = _AutoscaleModule(batch_size=4, n=30)
+    trainer = _trainer(max_epochs=2, strategy=_autoscale_strategy())
+    trainer.fit(module)
+    records = module.micro
+    steps: list[list[dict]] = []
+    for record in records:
+        index, count = record["micro"]
+        assert record["accumulate"] == count, record  # Lightning's accumulation is the loader's plan
+        if index == 0:
+            steps.append([])
+        steps[-1].append(record)
+    assert all(len(group) == group[0]["micro"][1] for group in steps), steps
+    assert len({group[0]["micro"][1] for group in steps}) >= 3, steps  # the accumulation changed during the run
+    assert len({len(group[0]["indices"]) for group in steps}) >= 3, steps  # and so did the local batch
+    assert [group[0]["global_step"] for group in steps] == list(range(len(steps)))  # optimizer steps
+    assert all(len({r["global_step"] for r in group}) == 1 for group in steps), steps
+    for group in steps:  # the step's samples are the loader's plan
+        assert sum(len(r["indices"]) for r in group) == group[0]["size"], group
+        if group[0]["position"] < 30:
+            assert group[0]["size"] == group[0]["planned"], group
+    assert trainer.global_step == len(steps) == len(module.lrs)
+    for epoch in (0, 1):
+        indices = sorted(i for r in records if r["epoch"] == epoch for i in r["indices"])
+        assert indices == list(range(30)), (epoch, indices)
+        in_epoch = [r for r in records if r["epoch"] == epoch]
+        assert in_epoch[-1]["batches"] == len(in_epoch), in_epoch  # Lightning's count of the epoch's batches
+    assert [epoch for epoch, _ in module.validated] == [0, 1], module.validated  # once, at each epoch's end
+    reference = 0
+    for group, lr in zip(steps, module.lrs):
+        assert lr["last_epoch"] == reference, (group[0], lr)  # the scheduler counted reference steps so far
+        assert lr["scheduled"] == pytest.approx(0.1 / (1 + reference))
+        assert lr["used"] == pytest.approx(lr["scheduled"] * group[0]["size"] / 4), (group[0], lr)
+        epoch, end = group[0]["epoch"], group[0]["position"]
+        # reference steps (a step smaller than the reference batch still counts one)
+        reference = max(reference + 1, (epoch + 1) * 8 if end >= 30 else epoch * 8 + end // 4)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == reference >= 16
+    assert module.estimated == 16  # estimated_stepping_batches: reference steps (8 per epoch of 30 samples / 4)
+    data = _dataset(30)
+    for group, after, lr in zip(steps, steps[1:], module.lrs):  # SGD on the mean gradient of each step's samples
+        net = torch.nn.Linear(3, 1).double()
+        with torch.no_grad():
+            for parameter, value in zip(net.parameters(), group[0]["weights"]):
+                parameter.copy_(torch.tensor(value, dtype=torch.float64).view_as(parameter))
+        indices = [i for r in group for i in r["indices"]]
+        torch.nn.functional.mse_loss(net(data.tensors[0][indices]), data.tensors[1][indices]).backward()
+        for parameter, value in zip(net.parameters(), after[0]["weights"]):
+            expected = parameter.detach() - lr["used"] * parameter.grad
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64).view_as(parameter), expected,
+                                       rtol=0, atol=1e-12)
+
+
+def test_autoscale_ckpt_path_resumes_every_model_checkpoint_exactly(job, monkeypatch):
+    """Autoscale on (the shape changes every 3 steps), ModelCheckpoint files written every 2 optimizer steps and at
+    each epoch's validation end, each resumed with fit(ckpt_path=...) in a fresh library folder: the optimizer
+    steps go on from the file's, every sample once per epoch, the LR schedule counts reference steps and the LR
+    follows the linear rule; where the resume does not fall on a shape change, the same micro-batches (samples,
+    micro-steps) and optimizer steps as the uninterrupted run from there, and its float64 weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from conftest import restart_process_state
+
+    _script_decisions(monkeypatch, [(2, 1), (4, 2), (3, 3), (8, 1), (2, 2)], every=3)
+    saved = job / "lightning"
+    callbacks = [ModelCheckpoint(dirpath=str(saved), filename="{epoch}-{step}", every_n_train_steps=2, save_top_k=-1),
+                 ModelCheckpoint(dirpath=str(saved), filename="end-{epoch}-{step}", save_top_k=-1)]
+    reference = _AutoscaleModule(batch_size=4, n=30)
+    trainer = _trainer(max_epochs=2, strategy=_autoscale_strategy(), enable_checkpointing=True, callbacks=callbacks)
+    trainer.fit(reference)
+    final = (trainer.global_step, trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    files = sorted(saved.glob("*step=*.ckpt"), key=_step_of)
+    assert len({_step_of(path) for path in files}) >= 4, files
+
+    def trained(module, start):
+        return [(r["epoch"], r["global_step"], r["micro"], r["indices"]) for r in module.micro
+                if r["global_step"] >= start]
+
+    exact = 0
+    for path in files:
+        start = _step_of(path)
+        if start >= final[0]:
+            continue
+        restart_process_state()
+        monkeypatch.setenv("ADAPTIVE_CHECKPOINT_PATH", str(job / f"fresh-{path.stem}"))
+        resumed = _AutoscaleModule(batch_size=4, n=30)
+        trainer = _trainer(max_epochs=2, strategy=_autoscale_strategy())
+        trainer.fit(resumed, ckpt_path=str(path))
+        assert resumed.micro[0]["global_step"] == start and all(r["accumulate"] == r["micro"][1]
+                                                                for r in resumed.micro), path.name
+        for epoch in (0, 1):  # the reference run's steps before the file's, the resumed run's from it
+            indices = sorted(i for module, kept in ((reference, lambda step: step < start), (resumed, bool))
+                             for r in module.micro if r["epoch"] == epoch and (kept(r["global_step"]) or
+                                                                               module is resumed) for i in r["indices"])
+            assert indices == list(range(30)), (path.name, epoch, indices)
+        steps = [r for r in resumed.micro if r["micro"][0] == r["micro"][1] - 1]
+        assert trainer.global_step == start + len(steps) == start + len(resumed.lrs), path.name
+        assert [lr["global_step"] for lr in resumed.lrs] == list(range(start, trainer.global_step)), path.name
+        counted = reference.lrs[start]["last_epoch"] if start < len(reference.lrs) else final[1]
+        for lr, step in zip(resumed.lrs, steps):
+            assert lr["last_epoch"] == counted, (path.name, lr, counted)
+            assert lr["used"] == pytest.approx(lr["scheduled"] * step["size"] / 4), (path.name, lr)
+            end = step["position"]
+            counted = max(counted + 1, (step["epoch"] + 1) * 8 if end >= 30 else step["epoch"] * 8 + end // 4)
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == counted and trainer.current_epoch == 2
+        if start % 3:  # not on a shape change: the uninterrupted run from the file's step, exactly
+            assert trained(resumed, start) == trained(reference, start), path.name
+            assert (trainer.global_step, counted) == final, path.name
+            weights = [(r["global_step"], r["weights"]) for r in resumed.micro]
+            assert weights == [(r["global_step"], r["weights"]) for r in reference.micro if r["global_step"] >= start]
+            torch.testing.assert_close(resumed.net.weight.detach(), reference.net.weight.detach(), rtol=0,
+                                       atol=1e-12)
+            exact += 1
+    assert exact >= 2, files
+
+
 # ---------------------------------------------------------------------- real jobs
 
 
@@ -635,3 +842,123 @@ def test_a_live_job_of_one_node_gains_a_second_node_which_then_leaves(jobs, tmp_
     done = json.loads((out / "done.json").read_text())
     assert (done["global_step"], done["current_epoch"], done["world"]) == (36, 3, per_node), done
     _assert_weights(done, reference)
+
+
+#: The autoscale job: the distributed tests' job (reference global batch 12) with autoscale up to 48 samples, the
+#: linear LR rule, and the goodput model's decisions scripted (local batch x accumulation steps, per process).
+_AUTOSCALE = dict(_JOB, WORKER_AUTOSCALE="48", WORKER_LOCAL_MAX="8", WORKER_SCRIPTED="3x2,2x3,4x1,5x2,2x2,6x1",
+                  ADAPTIVE_CHECKPOINT_INTERVAL="0")
+
+
+def _reference_steps(epoch, position, samples=96, reference=12):
+    """The LR schedule's count after a step ending at ``position`` of ``epoch`` (steps of the reference batch)."""
+    per_epoch = samples // reference
+    return (epoch + 1) * per_epoch if position >= samples else epoch * per_epoch + position // reference
+
+
+def _assert_autoscaled_steps(out, worlds, first=0, counted=0):
+    """Rank 0's records: Lightning's accumulation is the loader's plan at every micro-batch, each optimizer step
+    trains its planned global batch (``size`` samples over the processes, in its planned micro-batches), the
+    local batch and the accumulation change, global_step counts optimizer steps once each, the LR scheduler
+    counts reference steps and the LR used is the schedule's times the linear rule's factor.  ``first``: the
+    global step the records start at, ``counted``: the scheduler's count there.  Returns the optimizer steps
+    (lists of micro-batch records)."""
+    records = read_jsonl(out / "steps.jsonl")
+    assert {r["world"] for r in records} == set(worlds), records
+    steps: list[list[dict]] = []
+    for record in records:
+        index, count = record["micro"]
+        assert record["accumulate"] == count and record["sync"] == (index == count - 1), record
+        if index == 0:
+            steps.append([])
+        steps[-1].append(record)
+    trained: dict[int, int] = {}  # samples each optimizer step trained, over every process's records
+    for rank in range(max(worlds)):
+        for record in read_jsonl(out / f"samples.rank{rank}.jsonl"):
+            trained[record["step"]] = trained.get(record["step"], 0) + len(record["indices"])
+    for group in steps:
+        assert [r["micro"][0] for r in group] == list(range(group[0]["micro"][1])), group
+        size, planned, last = group[0]["size"], group[0]["planned"], group[0]["position"] >= 96
+        assert size == planned or (last and size < planned), group  # (the epoch's last step may be shorter)
+        assert trained[group[0]["step"]] == size or (last and trained[group[0]["step"]] > size), group
+    assert len({group[0]["micro"][1] for group in steps}) >= 2, steps  # the accumulation steps changed
+    assert len({(r["world"], r["local"]) for r in records}) >= 3, records  # and the local batch
+    expected = list(range(first, first + len(steps)))
+    assert [group[-1]["global_step"] for group in steps] == expected, steps  # once each
+    assert [group[-1]["step"] for group in steps] == expected, steps  # the loader's steps
+    lrs = read_jsonl(out / "lrs.jsonl")
+    assert [lr["global_step"] for lr in lrs] == expected, lrs
+    for lr, group in zip(lrs, steps):
+        assert (lr["size"], lr["position"]) == (group[0]["size"], group[0]["position"]), (lr, group)
+        assert lr["last_epoch"] == counted, (lr, counted)  # reference steps so far (at least one per step)
+        assert lr["scheduled"] == pytest.approx(0.05 / (1.0 + 0.01 * counted))
+        assert lr["used"] == pytest.approx(lr["scheduled"] * lr["size"] / 12), lr  # linear rule: size / 12
+        counted = max(counted + 1, _reference_steps(lr["epoch"], lr["position"]))
+    return steps
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.ci_sample  # about 25-45 s on 2 shared cores (two launches)
+def test_autoscale_sigterm_on_2_processes_resumed_on_3_keeps_counters_samples_and_the_plan(jobs, tmp_path):
+    """Autoscale on (scripted decisions change the local batch and the accumulation steps every step): stopped by
+    SIGTERM on 2 processes and resumed on 3, every micro-batch is accumulated or stepped as the loader planned,
+    each optimizer step trains the planned global batch, global_step and the loader's step go on with no step
+    lost or trained twice, every sample is trained once per epoch over both launches, and the LR follows the
+    schedule in reference steps times the linear rule."""
+    out = tmp_path / "autoscale"
+    log2, log3 = out / "job2.log", out / "job3.log"
+    started = time.time()
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], out, "job2.log", script=WORKER, **_AUTOSCALE)
+    wait_for(lambda: (p := progress(out, 0)) and p["step"] >= 6, 90, "2 processes to take 6 steps")
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert wait_exit(proc, 60, log2) == 143, tail(log2)
+    assert exit_codes(out, started) == [143, 143], tail(log2)
+    stopped = progress(out, 0)
+    assert stopped["world"] == 2 and stopped["epoch"] < 2, f"{stopped}\n{tail(log2)}"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], out, "job3.log", script=WORKER,
+                       WORKER_STEP_SLEEP="0", WORKER_DATAMODULE="0", **_AUTOSCALE)
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+    assert "Lightning resumes at epoch" in log3.read_text(), tail(log3)
+    steps = _assert_autoscaled_steps(out, (2, 3))
+    worlds = [group[0]["world"] for group in steps]
+    assert worlds[0] == 2 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    for epoch in range(3):  # every sample once per epoch, from every process's own records
+        indices = sorted(i for rank in range(3) if (out / f"samples.rank{rank}.jsonl").exists()
+                         for r in read_jsonl(out / f"samples.rank{rank}.jsonl") if r["epoch"] == epoch
+                         for i in r["indices"])
+        assert indices == list(range(96)), (epoch, len(indices))
+    epochs = {record["epoch"]: record for record in read_jsonl(out / "epochs.jsonl")}
+    assert sorted(epochs) == [0, 1, 2] and all(r["missing"] == r["extra"] == 0 for r in epochs.values()), epochs
+    done = json.loads((out / "done.json").read_text())
+    assert (done["global_step"], done["current_epoch"], done["world"]) == (len(steps), 3, 3), done
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_autoscale_model_checkpoint_of_2_processes_resumed_with_ckpt_path_on_3_in_fresh_folders(jobs, tmp_path):
+    """Autoscale on: a ModelCheckpoint file written by a 2-process job after its optimizer step 6 (epoch 0, inside
+    the epoch), resumed with fit(ckpt_path=...) by a 3-process job with a new library checkpoint folder: global
+    steps and the loader's steps from 6 on, none twice, the LR schedule's count going on from the file's, every
+    micro-batch accumulated or stepped as the loader planned, and every sample once per epoch over both jobs."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = jobs.launch(["--standalone", "--nproc-per-node=2"], first, "job2.log", script=WORKER,
+                       WORKER_STEP_SLEEP="0", WORKER_CHECKPOINT_EVERY="3", **_AUTOSCALE)
+    assert wait_exit(proc, 120, first / "job2.log") == 0, tail(first / "job2.log")
+    saved = first / "lightning" / "epoch=0-step=6.ckpt"
+    assert saved.is_file(), sorted(p.name for p in (first / "lightning").iterdir())
+    counted = next(lr["last_epoch"] for lr in read_jsonl(first / "lrs.jsonl") if lr["global_step"] == 6)
+    proc = jobs.launch(["--standalone", "--nproc-per-node=3"], second, "job3.log", script=WORKER,
+                       WORKER_STEP_SLEEP="0", WORKER_DATAMODULE="0", WORKER_CKPT_PATH=str(saved), **_AUTOSCALE)
+    log3 = second / "job3.log"
+    assert wait_exit(proc, 120, log3) == 0, tail(log3)
+    assert "restoring the library's state from it" in log3.read_text(), tail(log3)
+    steps = _assert_autoscaled_steps(second, (3,), first=6, counted=counted)
+    for epoch in range(3):  # each sample once per epoch: the first job's steps before 6, the second's from 6
+        indices = sorted(i for out, kept in ((first, lambda step: step < 6), (second, lambda step: True))
+                         for rank in range(3) if (out / f"samples.rank{rank}.jsonl").exists()
+                         for r in read_jsonl(out / f"samples.rank{rank}.jsonl")
+                         if r["epoch"] == epoch and kept(r["step"]) for i in r["indices"])
+        assert indices == list(range(96)), (epoch, len(indices))
+    done = json.loads((second / "done.json").read_text())
+    assert (done["global_step"], done["current_epoch"], done["world"]) == (6 + len(steps), 3, 3), done

@@ -29,12 +29,20 @@ raises when an attribute used here is gone):
   ``_combined_loader``, dropped after a live membership change so that
   Lightning builds the validation dataloaders (and their
   ``DistributedSampler``) again for the members there are now.
+* Under autoscale: :func:`accumulate_as_planned`, the epoch loop's
+  ``_should_accumulate`` replaced by the loader's plan (Lightning's own
+  counts a step's micro-batches from the epoch's start, which a plan that
+  changes inside the epoch contradicts); :func:`follow_epoch_length`, the
+  fit loop's ``max_batches`` (``trainer.num_training_batches``) and its
+  data fetcher's ``length`` (whether a batch is the epoch's last), counted
+  again at every micro-batch; :func:`fetched_batches`, the epoch's batches
+  fetched so far (``batch_progress``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import lightning
 import lightning.pytorch as pl
@@ -42,7 +50,8 @@ from lightning.pytorch.trainer.states import RunningStage
 
 __all__ = ["CHECKED_LIGHTNING_VERSIONS", "check_lightning_version", "check_lightning_internals",
            "train_without_distributed_sampler", "loop_counters", "restore_loop_counters", "counters_at_boundary",
-           "global_step_of", "batches_that_stepped", "skip_sigterm_broadcast", "rebuild_evaluation_data"]
+           "global_step_of", "batches_that_stepped", "skip_sigterm_broadcast", "rebuild_evaluation_data",
+           "accumulate_as_planned", "follow_epoch_length", "fetched_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,8 @@ def check_lightning_internals(trainer: pl.Trainer) -> None:
                                       (epoch_loop, "_should_check_val_fx"), (epoch_loop, "_should_accumulate"),
                                       (trainer.fit_loop, "_data_fetcher"), (epoch_loop.val_loop, "_combined_loader"))
                if not hasattr(obj, name)]
+    if not hasattr(trainer.fit_loop, "max_batches"):
+        missing.append("fit_loop.max_batches")
     if not hasattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler"):
         missing.append("_accelerator_connector.use_distributed_sampler")
     if missing:
@@ -191,3 +202,38 @@ def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
 def rebuild_evaluation_data(trainer: pl.Trainer) -> None:
     """Make the next validation build its dataloaders again (for the processes of a new live generation)."""
     trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+
+
+def accumulate_as_planned(trainer: pl.Trainer, accumulating: Callable[[], bool]) -> None:
+    """Lightning accumulates (no optimizer step, no step-interval scheduler, no logger step) when
+    ``accumulating()`` says so, instead of counting ``accumulate_grad_batches`` batches from the epoch's start.
+
+    Under autoscale the loader's plan decides: a step's micro-batches change
+    with the batch size, also inside an epoch, where Lightning's count
+    (``batch_idx + 1`` a multiple of ``accumulate_grad_batches``, or the
+    epoch's last batch) would not fall on the loader's step boundaries.
+    """
+    trainer.fit_loop.epoch_loop._should_accumulate = accumulating  # type: ignore[method-assign]
+
+
+def fetched_batches(trainer: pl.Trainer) -> int:
+    """The training batches of the epoch in progress Lightning has fetched (restored ones included)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def follow_epoch_length(trainer: pl.Trainer, micro_batches: int) -> None:
+    """Lightning counts ``micro_batches`` training batches in the epoch in progress.
+
+    Its number of training batches (its epoch's last batch, epoch-interval
+    schedulers, the progress bar), its data fetcher's length (whether the
+    batch just fetched is the last) and the batch of the epoch's
+    validation (``val_check_interval`` as a fraction of the epoch) follow.
+    """
+    fit_loop = trainer.fit_loop
+    fit_loop.max_batches = micro_batches
+    fetcher = fit_loop._data_fetcher
+    if fetcher is not None:
+        fetcher.length = micro_batches
+    interval = trainer.val_check_interval
+    if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(interval, float):
+        trainer.val_check_batch = max(1, int(micro_batches * interval))

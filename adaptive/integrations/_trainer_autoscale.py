@@ -7,8 +7,8 @@ and the number of micro-batches of each optimizer step (the goodput model,
 still takes one batch per optimizer step, so that its prefetching never
 runs ahead of the loader's plan:
 
-* :class:`AutoscaleSettings`: the trainer's autoscale arguments, checked
-  with the library's own validator and applied to the training loader;
+* the trainer's autoscale arguments and its step count are the other
+  front-ends' (:mod:`adaptive.integrations._autoscale_settings`);
 * :class:`StepBatch`: what the Trainer takes as one batch, one optimizer
   step whose micro-batches are drawn from the loader one at a time, as the
   trainer's ``training_step`` trains them (each micro-batch is published to
@@ -17,7 +17,8 @@ runs ahead of the loader's plan:
 * :class:`OptimizerSteps`: the training dataloader the Trainer iterates,
   one :class:`StepBatch` per optimizer step, whose ``len()`` is the epoch's
   *reference* steps (see below);
-* :func:`reference_steps`: the Trainer's step counter in reference batches.
+* the Trainer's step counter in reference batches
+  (:func:`~adaptive.integrations._autoscale_settings.reference_steps`).
 
 **Reference steps.**  The Trainer counts ``global_step``, ``max_steps``,
 warm-up, decay, logging, evaluation and save intervals in steps of the
@@ -34,80 +35,16 @@ bounds allow nothing larger, puts the count ahead of the samples).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Iterator
 
 import torch
 
-from adaptive.batchsize.autoscale import AutoscaleConfig
-from adaptive.data.dataloader import AdaptiveDataLoader
 from adaptive.integrations._epoch_passes import EpochPasses
 
-__all__ = ["AutoscaleSettings", "OptimizerSteps", "StepBatch", "reference_steps", "settings_from"]
+__all__ = ["OptimizerSteps", "StepBatch"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoscaleSettings:
-    """The arguments of :meth:`adaptive.AdaptiveDataLoader.autoscale_batch_size`, as the trainer takes them."""
-
-    max_batch_size: int
-    local_bsz_bounds: tuple[int, int] | None = None
-    gradient_accumulation: bool = False
-    adapt_every: int = 20
-    hysteresis: float = 0.05
-
-    def check(self) -> None:
-        """The library's validator (:class:`~adaptive.batchsize.autoscale.AutoscaleConfig`), at construction.
-
-        ``max_batch_size`` >= the reference global batch is checked when the
-        loader is made (the reference is the first launch's, restored from
-        the checkpoint).
-
-        Raises:
-            ValueError, TypeError: a value out of range, naming the argument.
-        """
-        bounds = self.local_bsz_bounds if self.local_bsz_bounds is not None else (1, self.max_batch_size)
-        AutoscaleConfig(1, self.max_batch_size, bounds, self.gradient_accumulation, self.adapt_every,
-                        self.hysteresis)
-
-    def apply(self, loader: AdaptiveDataLoader) -> None:
-        """Turn autoscale on for ``loader`` (which checks ``max_batch_size`` against its reference batch)."""
-        loader.autoscale_batch_size(self.max_batch_size, self.local_bsz_bounds, self.gradient_accumulation,
-                                    adapt_every=self.adapt_every, hysteresis=self.hysteresis)
-
-
-def settings_from(max_batch_size: int | None, local_bsz_bounds: tuple[int, int] | None,
-                  gradient_accumulation: bool, adapt_every: int, hysteresis: float) -> AutoscaleSettings | None:
-    """The checked settings, or None when autoscale is off (``max_batch_size`` not given).
-
-    Raises:
-        ValueError: another autoscale setting given without ``max_batch_size``,
-            or a value out of range (naming the argument).
-    """
-    if max_batch_size is None:
-        given = {"local_bsz_bounds": local_bsz_bounds is not None, "gradient_accumulation": bool(gradient_accumulation),
-                 "adapt_every": adapt_every != 20, "hysteresis": hysteresis != 0.05}
-        named = [name for name, value in given.items() if value]
-        if named:
-            raise ValueError(f"AdaptiveTrainer: {', '.join(named)} only apply with autoscale; pass "
-                             "max_batch_size= (the largest global batch) to turn it on")
-        return None
-    settings = AutoscaleSettings(max_batch_size, local_bsz_bounds, gradient_accumulation, adapt_every, hysteresis)
-    settings.check()  # (local_bsz_bounds: two ints, or a TypeError naming it)
-    if local_bsz_bounds is None:
-        return settings
-    return dataclasses.replace(settings, local_bsz_bounds=(local_bsz_bounds[0], local_bsz_bounds[1]))
-
-
-def reference_steps(loader: AdaptiveDataLoader, reference_batch: int, epoch: int, position: int) -> int:
-    """The Trainer's step count after a step that ends at sample ``position`` of ``epoch`` (see the module)."""
-    per_epoch = max(1, loader.sampler.num_steps(0, reference_batch))
-    if position >= loader.sampler.num_samples:  # the epoch's end: its (possibly partial) last step counts whole
-        return (epoch + 1) * per_epoch
-    return epoch * per_epoch + min(per_epoch, position // reference_batch)
 
 
 class StepBatch(dict):

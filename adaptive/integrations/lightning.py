@@ -48,6 +48,15 @@ the first launch.  What the strategy takes over, and why:
 * **Stops.**  SIGTERM (or :func:`adaptive.request_stop`) stops every
   process after the same step; the library checkpoints and they exit 143.
   Lightning's own SIGTERM handling is replaced while training.
+* **Autoscale** (``autoscale_batch_size=``, with the other arguments of
+  :meth:`adaptive.AdaptiveDataLoader.autoscale_batch_size`): the loader
+  chooses the micro-batch size and accumulation steps from the goodput
+  model; Lightning's accumulation (``accumulate_grad_batches``, whether a
+  micro-batch steps the optimizer) and its count of the epoch's batches
+  follow the loader's plan at every micro-batch, ``global_step`` counts
+  optimizer steps, per-step LR schedulers count steps of the reference
+  batch (so that they follow the samples), and the model wrapper's scaling
+  rule scales the LR on top (:mod:`adaptive.integrations._lightning_autoscale`).
 * **Lightning's checkpoints.**  Every checkpoint Lightning writes during
   ``fit`` (``ModelCheckpoint``, ``Trainer.save_checkpoint``) carries the
   library's state (``checkpoint["adaptive"]``: loader position, epoch,
@@ -92,16 +101,21 @@ from adaptive.checkpoint import admission
 from adaptive.checkpoint.states import State, load_state
 from adaptive.data._loader_options import options_of
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
+from adaptive.elastic import epoch as epochs
 from adaptive.integrations import _lightning_checkpoint as embedded_state
-from adaptive.integrations._lightning_loops import (CHECKED_LIGHTNING_VERSIONS, batches_that_stepped,
-                                                    check_lightning_internals, check_lightning_version,
-                                                    counters_at_boundary, global_step_of, loop_counters,
+from adaptive.integrations._autoscale_settings import AutoscaleSettings, reference_steps, settings_from
+from adaptive.integrations._lightning_autoscale import PlannedPasses, epoch_micro_batches
+from adaptive.integrations._lightning_loops import (CHECKED_LIGHTNING_VERSIONS, accumulate_as_planned,
+                                                    batches_that_stepped, check_lightning_internals,
+                                                    check_lightning_version, counters_at_boundary, fetched_batches,
+                                                    follow_epoch_length, global_step_of, loop_counters,
                                                     rebuild_evaluation_data, restore_loop_counters,
                                                     skip_sigterm_broadcast, train_without_distributed_sampler)
 from adaptive.integrations._epoch_passes import EpochPasses
 from adaptive.parallel.data_parallel import AdaptiveDataParallel
 from adaptive.runtime import env, membership
 from adaptive.runtime.collectives import init_process_group
+from adaptive.runtime.step import current_step
 
 __all__ = ["AdaptiveEnvironment", "AdaptiveStrategy", "CHECKED_LIGHTNING_VERSIONS", "RECORD_STATE_NAME"]
 
@@ -216,6 +230,16 @@ class AdaptiveStrategy(DDPStrategy):
     Args:
         process_group_backend: ``"gloo"`` or ``"nccl"``; default gloo on the
             CPU, NCCL on CUDA.
+        autoscale_batch_size: turns autoscale on: the largest global batch
+            (samples over all processes and micro-batches), at least the
+            reference global batch (the first launch's ``batch_size`` x
+            processes x ``accumulate_grad_batches``); the ``max_batch_size``
+            of :meth:`adaptive.AdaptiveDataLoader.autoscale_batch_size`.
+        local_bsz_bounds, gradient_accumulation, adapt_every, hysteresis: as
+            in ``autoscale_batch_size`` (only with ``autoscale_batch_size``).
+        scaling_rule: the model wrapper's LR scaling rule
+            (:class:`~adaptive.AdaptiveDataParallel`; default AdaScale for
+            SGD, its square root for Adam-like optimizers).
         **kwargs: passed to ``DistributedDataParallel`` through
             :class:`~adaptive.AdaptiveDataParallel` (``find_unused_parameters``,
             ``bucket_cap_mb``, ...), as ``DDPStrategy`` passes them.
@@ -223,11 +247,22 @@ class AdaptiveStrategy(DDPStrategy):
     One ``trainer.fit()`` per process: the loader, model wrapper and record
     are checkpointed states of fixed names.  One optimizer (automatic
     optimization), at most one LR scheduler, one training dataloader.
+
+    Raises:
+        ValueError, TypeError: an autoscale setting out of range, or given
+            without ``autoscale_batch_size`` (naming the argument).
     """
 
     strategy_name = "adaptive"
 
-    def __init__(self, process_group_backend: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, process_group_backend: str | None = None, *, autoscale_batch_size: int | None = None,
+                 local_bsz_bounds: tuple[int, int] | None = None, gradient_accumulation: bool = False,
+                 adapt_every: int = 20, hysteresis: float = 0.05, scaling_rule: Any = None, **kwargs: Any) -> None:
+        self._autoscale: AutoscaleSettings | None = settings_from(
+            "AdaptiveStrategy", "autoscale_batch_size",
+            "the first launch's batch_size x processes x accumulate_grad_batches", autoscale_batch_size,
+            local_bsz_bounds, gradient_accumulation, adapt_every, hysteresis)
+        self._scaling_rule = scaling_rule
         for refused in ("cluster_environment", "parallel_devices", "ddp_comm_hook", "ddp_comm_state",
                         "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(refused) is not None:
@@ -241,6 +276,7 @@ class AdaptiveStrategy(DDPStrategy):
         self._fitted = False
         self._joining = False  # a live joiner, until its first training batch (see _local_while_joining)
         self._stepped_before_batch = 0  # Lightning's _batches_that_stepped when the batch in progress started
+        self._reference_batch = 0  # the first launch's global batch (what the LR schedule counts steps of)
 
     # ------------------------------------------------------------------ processes
 
@@ -309,6 +345,8 @@ class AdaptiveStrategy(DDPStrategy):
                              "AdaptiveStrategy checkpoints one")
         scheduler = self.lr_scheduler_configs[0].scheduler if self.lr_scheduler_configs else None
         kwargs = dict(self._ddp_kwargs)
+        if self._scaling_rule is not None:
+            kwargs["scaling_rule"] = self._scaling_rule
         if self.root_device.type == "cuda":
             kwargs.update(device_ids=[self.root_device.index], output_device=self.root_device.index)
         self.model = AdaptiveDataParallel(module, self.optimizers[0], scheduler, name="lightning", **kwargs)
@@ -319,6 +357,8 @@ class AdaptiveStrategy(DDPStrategy):
         record.counters = lambda: loop_counters(trainer)
         record.on_admission = lambda: self._apply_saved_counters(trainer, "joins the job")
         skip_sigterm_broadcast(trainer)  # (the library's SIGTERM handling replaces Lightning's flag)
+        if self._autoscale is not None:
+            accumulate_as_planned(trainer, self._accumulating)
         if membership.is_live():
             membership.on_regroup(lambda: self._follow_regroup(trainer))
 
@@ -517,10 +557,17 @@ class AdaptiveStrategy(DDPStrategy):
             # A live joiner is admitted here, before Lightning counts the training batches: the loader is built
             # with the job's record (the first launch's global batch) and restores the members' position.
             admission.admit()
-        self._epochs = EpochPasses(
-            self._make_loader(dataloader), lambda: _epoch_limit(trainer), front_end="AdaptiveStrategy",
-            early_end="Lightning ended an epoch before the elastic loader did (limit_train_batches, or "
-                      "on_train_batch_start returned -1); stop training instead (trainer.should_stop = True)")
+        loader = self._make_loader(dataloader)
+        early_end = ("Lightning ended an epoch before the elastic loader did (limit_train_batches, or "
+                     "on_train_batch_start returned -1); stop training instead (trainer.should_stop = True)")
+        if self._autoscale is None:
+            self._epochs = EpochPasses(loader, lambda: _epoch_limit(trainer), front_end="AdaptiveStrategy",
+                                       early_end=early_end)
+            return self._epochs
+        self._epochs = PlannedPasses(loader, lambda: _epoch_limit(trainer), front_end="AdaptiveStrategy",
+                                     early_end=early_end, on_micro_batch=lambda: self._follow_plan(trainer),
+                                     reference_batch=self._reference_batch)
+        trainer.accumulate_grad_batches = 1  # len() counts reference steps until the first batch (see PlannedPasses)
         return self._epochs
 
     def _make_loader(self, dataloader: object) -> AdaptiveDataLoader:
@@ -540,15 +587,91 @@ class AdaptiveStrategy(DDPStrategy):
             seed = dataloader.generator.initial_seed()
         else:
             seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        self._reference_batch = global_batch
+        accumulation = record.accumulation if self._autoscale is None else 1  # (autoscale plans the micro-steps)
         loader = AdaptiveDataLoader(dataloader.dataset, batch_size=global_batch, shuffle=shuffle, seed=seed,
-                                    drop_last=dataloader.drop_last, accumulation_steps=record.accumulation,
+                                    drop_last=dataloader.drop_last, accumulation_steps=accumulation,
                                     name=LOADER_NAME, **kwargs)
+        if self._autoscale is not None:
+            self._autoscale.apply(loader)
+            if env.rank() == 0:
+                logger.info("autoscale on: global batch up to %d, local batch bounds %s, gradient accumulation %s; "
+                            "LR schedules count steps of the reference batch %d", self._autoscale.max_batch_size,
+                            self._autoscale.local_bsz_bounds, self._autoscale.gradient_accumulation, global_batch)
         if env.rank() == 0:
             logger.info("training DataLoader (batch_size=%d per process) -> AdaptiveDataLoader %s: global batch %d "
                         "(%d per process x %d processes x %d accumulated batches of the first launch), %d "
                         "micro-batches per epoch", dataloader.batch_size, loader.name, global_batch,
                         dataloader.batch_size, record.processes, record.accumulation, len(loader))
         return loader
+
+    # ------------------------------------------------------------------ autoscale
+
+    def _accumulating(self) -> bool:
+        """Under autoscale, whether Lightning accumulates on the batch in progress: the loader's plan says so
+        (False between steps)."""
+        loader = self.train_loader
+        if loader is None or current_dataloader() is not loader:
+            return False
+        return loader.is_accumulation_step()
+
+    def _follow_plan(self, trainer: pl.Trainer) -> None:
+        """The loader yields a micro-batch: Lightning's ``accumulate_grad_batches`` becomes its step's
+        micro-batches, and Lightning's count of the epoch's batches follows the plan (before its fetcher counts
+        the batch).
+
+        The first micro-batch of a step zeroes the gradients (the LightningModule's ``optimizer_zero_grad``):
+        Lightning zeroes them when ``batch_idx`` is a multiple of ``accumulate_grad_batches``, which need not
+        fall on a step's first micro-batch once the plan changed inside the epoch (the model wrapper ignores a
+        call inside a step, but a step that got none would add the previous step's gradients).
+        """
+        loader, module = self.train_loader, self.lightning_module
+        micro = None if loader is None else loader.micro_step
+        if loader is None or micro is None:
+            return
+        trainer.accumulate_grad_batches = micro[1]
+        context = current_step()
+        if context is not None and context.init_batch_size != self._reference_batch:
+            # the checkpointed reference batch wins over the one computed from this launch's DataLoader
+            self._reference_batch = context.init_batch_size
+            if isinstance(self._epochs, PlannedPasses):
+                self._epochs.reference_batch = context.init_batch_size
+        fetched = fetched_batches(trainer)
+        follow_epoch_length(trainer, epoch_micro_batches(loader, fetched))
+        if micro[0] == 0 and module is not None and self.optimizers:
+            module.optimizer_zero_grad(trainer.current_epoch, fetched, self.optimizers[0])
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step; under autoscale, per-step LR schedulers then follow the samples: a step of ``k``
+        reference batches advances them by ``k`` (Lightning steps them once more after the batch).
+
+        The model wrapper takes the step's batch configuration first: Lightning runs the last micro-batch's
+        forward inside ``optimizer.step`` (its closure), after the scaling rule's pre-step hook has read the
+        configuration, which would otherwise still be the previous step's (a step of one micro-batch after a
+        batch-size change would get the previous step's LR factor).
+        """
+        if isinstance(self.model, AdaptiveDataParallel):
+            self.model._follow_step()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._autoscale is not None:
+            self._advance_schedulers()
+        return output
+
+    def _advance_schedulers(self) -> None:
+        """Step each per-step LR scheduler up to the reference steps the samples trained so far stand for, less
+        the one step Lightning takes after the batch: its count is then ``max(count + 1, reference steps)``
+        (a step smaller than the reference batch still counts one)."""
+        loader, module = self.train_loader, self.lightning_module
+        step = None if loader is None else loader.current_step
+        if loader is None or step is None or module is None or self._reference_batch <= 0:
+            return
+        target = reference_steps(loader, self._reference_batch, epochs.current_epoch() or 0, step.position)
+        for config in self.lr_scheduler_configs:
+            counted = getattr(config.scheduler, "last_epoch", None)
+            if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau or counted is None:
+                continue
+            for _ in range(target - int(counted) - 1):
+                module.lr_scheduler_step(config.scheduler, None)
 
     # ------------------------------------------------------------------ training step
 

@@ -101,8 +101,8 @@ import torch.utils.data
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch as epochs
 from adaptive.integrations import _trainer_checkpoint as checkpoints
-from adaptive.integrations._trainer_autoscale import (AutoscaleSettings, OptimizerSteps, StepBatch, reference_steps,
-                                                      settings_from)
+from adaptive.integrations._autoscale_settings import AutoscaleSettings, reference_steps, settings_from
+from adaptive.integrations._trainer_autoscale import OptimizerSteps, StepBatch
 from adaptive.integrations._accelerate_wrappers import follow_job_membership
 from adaptive.integrations._epoch_passes import EpochPasses
 from adaptive.integrations._trainer_data import (ORDERS, RECORD_STATE_NAME, TrainerRecord,
@@ -281,6 +281,8 @@ class AdaptiveTrainer(Trainer):
                  scaling_rule: Any = None, **kwargs: Any) -> None:
         _check_trainer_internals()
         self._adaptive_autoscale: AutoscaleSettings | None = settings_from(
+            "AdaptiveTrainer", "max_batch_size",
+            "the first launch's per_device_train_batch_size x processes x gradient_accumulation_steps",
             max_batch_size, local_bsz_bounds, gradient_accumulation, adapt_every, hysteresis)
         self._adaptive_scaling_rule = scaling_rule
         if args is None:

@@ -20,6 +20,11 @@ Environment knobs:
     WORKER_CHECKPOINT_EVERY  a ModelCheckpoint writes ``WORKER_OUT/lightning/{epoch}-{step}.ckpt`` every that many
                         optimizer steps, keeping every file, and ``last.ckpt`` (default 0: no ModelCheckpoint)
     WORKER_CKPT_PATH    ``trainer.fit(ckpt_path=...)`` (default: none)
+    WORKER_AUTOSCALE    ``AdaptiveStrategy(autoscale_batch_size=...)`` (default 0: autoscale off); with it
+                        ``local_bsz_bounds=(1, WORKER_LOCAL_MAX)`` (default 8), ``gradient_accumulation=True``,
+                        ``adapt_every=1`` and ``scaling_rule="linear"``
+    WORKER_SCRIPTED     "3x2,2x3,...": the goodput model's decisions replaced by these (local batch x accumulation
+                        steps), one per decision, so that the batch changes whatever the machine measures
 
 Every rank rewrites ``progress.rank<R>.json`` after every micro-batch (pid,
 epoch, loader step, world); rank 0 appends one record per micro-batch to
@@ -30,7 +35,11 @@ optimizer steps); every rank appends the sample indices it trained to
 trained the batch with); at the end of each epoch rank 0 appends to
 ``epochs.jsonl`` the samples missed and repeated (per-sample counts summed
 over the processes by an Accumulator); at the end ``done.json`` (Lightning's
-counters, the scheduler's count, the final weights).  Every process appends
+counters, the scheduler's count, the final weights).  The ``steps.jsonl``
+records also hold the loader's micro-step (index, count), Lightning's
+``accumulate_grad_batches`` and the step's end position; with autoscale rank
+0 appends one record per optimizer step to ``lrs.jsonl`` (the LR used, the
+scheduler's LR and count, the step's size and end position).  Every process appends
 its exit status to ``exits.rank<R>.jsonl``.
 """
 
@@ -45,7 +54,7 @@ import torch
 
 import adaptive
 from adaptive.integrations.lightning import AdaptiveStrategy
-from worker_common import append_jsonl, regression_dataset, run_main, write_json
+from worker_common import append_jsonl, regression_dataset, run_main, script_decisions, write_json
 
 OUT = os.environ["WORKER_OUT"]
 SAMPLES = int(os.environ.get("WORKER_SAMPLES", "96"))
@@ -58,6 +67,9 @@ DTYPE = getattr(torch, os.environ.get("WORKER_DTYPE", "float32"))
 DATAMODULE = os.environ.get("WORKER_DATAMODULE", "1") == "1"
 CHECKPOINT_EVERY = int(os.environ.get("WORKER_CHECKPOINT_EVERY", "0"))
 CKPT_PATH = os.environ.get("WORKER_CKPT_PATH") or None
+AUTOSCALE = int(os.environ.get("WORKER_AUTOSCALE", "0"))
+LOCAL_MAX = int(os.environ.get("WORKER_LOCAL_MAX", "8"))
+SCRIPTED = os.environ.get("WORKER_SCRIPTED", "")
 
 
 def dataset(samples: int, offset: int) -> torch.utils.data.TensorDataset:
@@ -107,11 +119,23 @@ class Regression(L.LightningModule):
             append_jsonl(os.path.join(OUT, "steps.jsonl"), {
                 "global_step": trainer.global_step, "epoch": trainer.current_epoch, "step": loader.step,
                 "world": world, "planned": step.planned_size, "size": step.size, "local": len(index),
-                "sync": sync, "batch_idx": batch_idx})
+                "sync": sync, "batch_idx": batch_idx, "micro": list(loader.micro_step),
+                "accumulate": trainer.accumulate_grad_batches, "position": step.position})
         write_json(os.path.join(OUT, f"progress.rank{rank}.json"), {
             "pid": os.getpid(), "epoch": trainer.current_epoch, "step": loader.step, "world": world})
         time.sleep(STEP_SLEEP)
         return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        trainer = self.trainer
+        if AUTOSCALE and trainer.global_rank == 0:
+            scheduler = trainer.lr_scheduler_configs[0].scheduler
+            step = trainer.strategy.train_loader.current_step
+            append_jsonl(os.path.join(OUT, "lrs.jsonl"), {
+                "global_step": trainer.global_step, "epoch": trainer.current_epoch, "world": trainer.world_size,
+                "used": optimizer.param_groups[0]["lr"], "scheduled": scheduler.get_last_lr()[0],
+                "last_epoch": scheduler.last_epoch, "size": step.size, "planned": step.planned_size,
+                "position": step.position})
 
     def validation_step(self, batch, batch_idx):
         x, y, index = batch
@@ -150,7 +174,13 @@ def main() -> None:
     if CHECKPOINT_EVERY:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(OUT, "lightning"), filename="{epoch}-{step}",
                                          every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1, save_last=True))
-    trainer = L.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATION, strategy=AdaptiveStrategy(),
+    strategy = AdaptiveStrategy()
+    if AUTOSCALE:
+        if SCRIPTED:
+            script_decisions(SCRIPTED)
+        strategy = AdaptiveStrategy(autoscale_batch_size=AUTOSCALE, local_bsz_bounds=(1, LOCAL_MAX),
+                                    gradient_accumulation=True, adapt_every=1, scaling_rule="linear")
+    trainer = L.Trainer(max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATION, strategy=strategy,
                         accelerator="cpu", logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=Data() if DATAMODULE else None, ckpt_path=CKPT_PATH)
