@@ -22,9 +22,10 @@ from adaptive.checkpoint.store import Checkpoint, CheckpointStore
 from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
 from adaptive.elastic import epoch
 from adaptive.runtime import collectives, env
+from adaptive.runtime.step import stream
 
 __all__ = ["LIBRARY_STATE_DIR", "committed_loader_state", "gather_library_states", "library_checkpoint",
-           "save_library_checkpoint"]
+           "resume_library_states", "save_library_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +110,23 @@ def library_checkpoint(folder: str | os.PathLike[str]) -> Checkpoint | None:
     """The newest complete library checkpoint under ``folder/adaptive``, or None."""
     root = Path(folder) / LIBRARY_STATE_DIR
     return CheckpointStore(root).latest() if root.is_dir() else None
+
+
+def resume_library_states(checkpoint: Checkpoint, purpose: str) -> None:
+    """Resume every library state from ``checkpoint`` (a front-end's own checkpoint), as a relaunch resumes from
+    the library's: the states made already are restored now, the others as they are made.
+
+    Raises:
+        RuntimeError: called inside the epoch loop or a loader loop (``purpose`` names the front-end's argument).
+    """
+    if current_dataloader() is not None or epoch.current_epoch() is not None:
+        raise RuntimeError(f"{purpose}: the library's state can only be restored before training starts")
+    states.resume_from(checkpoint, steps_at_save=stream().steps_committed)
+    for state in states.registered_states():
+        if state.name in checkpoint.names():
+            state.restore_on_admission()  # made before: restored now, as at its creation
+    meta = checkpoint.info.metadata or {}
+    if env.rank() == 0:
+        logger.info("%s: restoring the library's state from %s (epoch %s, loader steps %s, saved by %s processes; "
+                    "now %d)", purpose, checkpoint.info.path, meta.get("epoch"), meta.get("loader_steps"),
+                    meta.get("replicas"), env.num_replicas())

@@ -35,11 +35,9 @@ from typing import Any, Callable
 from adaptive.checkpoint import states
 from adaptive.checkpoint._reading import Checkpoint, CheckpointInfo, MemoryCheckpoint
 from adaptive.checkpoint._safe_load import validate_states
-from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
-from adaptive.elastic import epoch
-from adaptive.integrations._library_folder import gather_library_states
+from adaptive.data.dataloader import AdaptiveDataLoader
+from adaptive.integrations._library_folder import gather_library_states, resume_library_states
 from adaptive.runtime import env, membership
-from adaptive.runtime.step import stream
 
 __all__ = ["EMBEDDED_KEY", "choose_embedded", "embedded_checkpoint", "library_contents", "resume_from_embedded"]
 
@@ -140,14 +138,4 @@ def resume_from_embedded(checkpoint: MemoryCheckpoint) -> None:
     Raises:
         RuntimeError: called inside the epoch loop or a loader loop.
     """
-    if current_dataloader() is not None or epoch.current_epoch() is not None:
-        raise RuntimeError("ckpt_path: the library's state can only be restored before training starts")
-    states.resume_from(checkpoint, steps_at_save=stream().steps_committed)
-    for state in states.registered_states():
-        if state.name in checkpoint.names():
-            state.restore_on_admission()  # made before: restored now, as at its creation
-    meta = checkpoint.info.metadata or {}
-    if env.rank() == 0:
-        logger.info("ckpt_path=%s: restoring the library's state from it (epoch %s, loader steps %s, saved by %s "
-                    "processes; now %d)", checkpoint.info.path, meta.get("epoch"), meta.get("loader_steps"),
-                    meta.get("replicas"), env.num_replicas())
+    resume_library_states(checkpoint, "ckpt_path")

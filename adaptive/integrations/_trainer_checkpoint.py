@@ -30,11 +30,10 @@ from typing import Any
 
 from adaptive.checkpoint import states
 from adaptive.checkpoint.store import Checkpoint
-from adaptive.data.dataloader import AdaptiveDataLoader, current_dataloader
-from adaptive.elastic import epoch
-from adaptive.integrations._library_folder import LIBRARY_STATE_DIR, library_checkpoint, save_library_checkpoint
+from adaptive.data.dataloader import AdaptiveDataLoader
+from adaptive.integrations._library_folder import (LIBRARY_STATE_DIR, library_checkpoint, resume_library_states,
+                                                  save_library_checkpoint)
 from adaptive.runtime import env, membership
-from adaptive.runtime.step import stream
 
 __all__ = ["LIBRARY_STATE_DIR", "choose_trainer_checkpoint", "resume_from_trainer_checkpoint",
            "save_to_trainer_checkpoint"]
@@ -132,20 +131,10 @@ def resume_from_trainer_checkpoint(path: str | os.PathLike[str]) -> None:
         ValueError: ``path`` holds no library state.
         RuntimeError: called inside the epoch loop or a loader loop.
     """
-    if current_dataloader() is not None or epoch.current_epoch() is not None:
-        raise RuntimeError("resume_from_checkpoint: the library's state can only be restored before training starts")
     checkpoint = library_checkpoint(path)
     if checkpoint is None:
         raise ValueError(f"resume_from_checkpoint={os.fspath(path)!r} holds no library state ({LIBRARY_STATE_DIR}/)")
-    states.resume_from(checkpoint, steps_at_save=stream().steps_committed)
-    for state in states.registered_states():
-        if state.name in checkpoint.names():
-            state.restore_on_admission()  # made before: restored now, as at its creation
-    meta = checkpoint.info.metadata or {}
-    if env.rank() == 0:
-        logger.info("resume_from_checkpoint: restoring the library's state from %s (epoch %s, loader steps %s, saved "
-                    "by %s processes; now %d)", checkpoint.info.path, meta.get("epoch"), meta.get("loader_steps"),
-                    meta.get("replicas"), env.num_replicas())
+    resume_library_states(checkpoint, "resume_from_checkpoint")
 
 
 def trainer_checkpoint_dir(output_dir: str | None, prefix: str, global_step: int) -> str:
