@@ -826,9 +826,9 @@ def _autoscale_steps(out) -> list[list[dict]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("scripted", [
-    # the goodput model's own choices follow timings (20-45 s here): the slow sample; scripted ones: every run
+    # real jobs of 15-45 s each: CI's slow sample (the default suite has the in-process autoscale tests)
     pytest.param("", id="goodput-model", marks=[pytest.mark.slow, pytest.mark.ci_sample]),
-    pytest.param("2x2,4x2,2x3,4x4,3x2,4x3", id="scripted")])
+    pytest.param("2x2,4x2,2x3,4x4,3x2,4x3", id="scripted", marks=[pytest.mark.slow, pytest.mark.ci_sample])])
 def test_autoscale_sigterm_on_2_processes_resume_on_3_keeps_the_counters_exact(jobs, tmp_path, scripted):
     """AdaptiveTrainer(max_batch_size=32, local_bsz_bounds=(1, 4), gradient_accumulation=True) on 2 processes,
     stopped by SIGTERM and resumed on 3.  From the processes' step records: the goodput model changes the local
