@@ -745,7 +745,7 @@ def test_the_lightning_example_trains_on_2_processes_under_adaptive_run_and_a_re
     # with the library's state in it); the epoch's end is replayed, no step is trained again
     environment["ADAPTIVE_CHECKPOINT_PATH"] = str(tmp_path / "lost")
     log = run()
-    assert "ckpt_path=" in log and "restoring the library's state from it" in log, log[-4000:]
+    assert "ckpt_path: restoring the library's state from" in log, log[-4000:]
     assert "done: global step 64, epoch 2" in log, log[-4000:]
 
 
@@ -769,7 +769,7 @@ def test_a_model_checkpoint_of_2_processes_resumed_with_ckpt_path_on_3_in_fresh_
                        WORKER_CKPT_PATH=str(saved), **_JOB)
     log3 = second / "job3.log"
     assert wait_exit(proc, 120, log3) == 0, tail(log3)
-    assert "restoring the library's state from it" in log3.read_text(), tail(log3)
+    assert "ckpt_path: restoring the library's state from" in log3.read_text(), tail(log3)
     records = read_jsonl(second / "steps.jsonl")
     assert {(r["world"], r["local"], r["size"]) for r in records} == {(3, 2, 12)}, records
     synced = [r for r in records if r["sync"]]
@@ -952,7 +952,7 @@ def test_autoscale_model_checkpoint_of_2_processes_resumed_with_ckpt_path_on_3_i
                        WORKER_STEP_SLEEP="0", WORKER_DATAMODULE="0", WORKER_CKPT_PATH=str(saved), **_AUTOSCALE)
     log3 = second / "job3.log"
     assert wait_exit(proc, 120, log3) == 0, tail(log3)
-    assert "restoring the library's state from it" in log3.read_text(), tail(log3)
+    assert "ckpt_path: restoring the library's state from" in log3.read_text(), tail(log3)
     steps = _assert_autoscaled_steps(second, (3,), first=6, counted=counted)
     for epoch in range(3):  # each sample once per epoch: the first job's steps before 6, the second's from 6
         indices = sorted(i for out, kept in ((first, lambda step: step < 6), (second, lambda step: True))
